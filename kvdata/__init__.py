@@ -1,0 +1,20 @@
+"""kvdata: a dataset store for ML training.
+
+Samples live as uncompressed records in LMDB shards with a numpy memmap
+side-index, so a batch read is a few vectorized lookups and one copy per sample.
+torch and S3 SDKs are imported lazily: ``import kvdata`` needs neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import KVDataError
+from .store import Store, open_store as open
+
+__all__ = ["open", "Store", "KVDataError", "__version__"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(f"module 'kvdata' has no attribute {name!r}")

@@ -1,0 +1,59 @@
+"""One error root for kvdata, with specific subclasses.
+
+Every message names the file, key or setting at fault and says what to do, so
+the CLI can print it as a single line and library users can show it as is.
+"""
+
+from __future__ import annotations
+
+
+class KVDataError(Exception):
+    """Root of every error kvdata raises on purpose."""
+
+
+class NotADatasetError(KVDataError):
+    """The path exists but holds no kvdata dataset (or does not exist)."""
+
+
+class FormatVersionError(KVDataError):
+    """The dataset was written by a newer kvdata format than this code reads."""
+
+
+class CorruptDatasetError(KVDataError):
+    """A manifest, index or shard is damaged; the message says how to repair it."""
+
+
+class MissingShardError(CorruptDatasetError):
+    """A shard listed in the manifest is absent."""
+
+
+class InvalidKeyError(KVDataError, ValueError):
+    """A key is empty, not valid UTF-8, or too long."""
+
+
+class InvalidValueError(KVDataError, ValueError):
+    """A value cannot be stored (object dtype, unsupported type, ...)."""
+
+
+class RecordTooLargeError(InvalidValueError):
+    """A single record does not fit in one shard."""
+
+
+class WriterLockedError(KVDataError):
+    """Another process holds the dataset's writer lock."""
+
+
+class ReadOnlyError(KVDataError):
+    """A write was attempted on a store opened for reading."""
+
+
+class CommitError(KVDataError):
+    """A commit failed (disk full, I/O error); the previous generation is intact."""
+
+
+class ConfigError(KVDataError, ValueError):
+    """A setting (size string, option) is invalid."""
+
+
+class ClosedError(KVDataError):
+    """The store was closed or failed and must be reopened."""

@@ -1,0 +1,60 @@
+"""Durable file operations: fsync'ed writes and atomic renames."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` so a crash leaves the old or the new content, never a mix."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def write_at(path: Path, offset: int, data: bytes | memoryview) -> None:
+    """Write `data` at `offset` of `path` (created if missing) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        mv = memoryview(data).cast("B")
+        done = 0
+        while done < mv.nbytes:
+            done += os.pwrite(fd, mv[done:], offset + done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quiet(path: str | os.PathLike[str]) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,223 @@
+"""LMDB shard files: the open tail that takes appends, sealing, and read handles.
+
+A shard is a real LMDB file (subdir=False) whose keys are 8-byte big-endian slot
+numbers in append order and whose values are kvdata records. Sealed shards are
+immutable, so besides LMDB access we map them ourselves and read a value by its
+file offset (recorded at seal time in the side-index): no B-tree walk, no
+transaction, exactly the cost of an np.memmap slice.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import lmdb
+import numpy as np
+
+from . import format as fmt
+from .codec import compress_file, file_sha256
+from .errors import CorruptDatasetError, MissingShardError
+from .fsutil import fsync_dir, fsync_file, unlink_quiet
+
+MAX_READERS = 1024
+_PAGE = 4096
+
+
+def tail_map_size(shard_size: int) -> int:
+    """LMDB map size for a tail: room for a full shard plus B-tree and free-page slack."""
+    size = max(2 * shard_size, shard_size + (64 << 20))
+    return (size + _PAGE - 1) // _PAGE * _PAGE
+
+
+def open_tail_for_write(path: Path, shard_size: int) -> lmdb.Environment:
+    return lmdb.open(
+        str(path), subdir=False, map_size=tail_map_size(shard_size), max_readers=MAX_READERS,
+        max_dbs=0, sync=True, metasync=True, meminit=False, readahead=False, lock=True,
+    )
+
+
+def open_tail_for_read(path: Path) -> lmdb.Environment:
+    """A reader of the tail takes part in LMDB's reader table, so the writer never
+    reuses pages it may still be reading."""
+    if not path.exists():
+        raise FileNotFoundError(str(path))
+    return lmdb.open(str(path), subdir=False, readonly=True, lock=True, max_readers=MAX_READERS,
+                     max_spare_txns=0, create=False)
+
+
+def open_sealed_lmdb(path: Path) -> lmdb.Environment:
+    """LMDB view of an immutable shard: no lock file, so it works on read-only copies."""
+    return lmdb.open(str(path), subdir=False, readonly=True, lock=False, create=False,
+                     max_spare_txns=0, map_size=max(os.path.getsize(path), _PAGE))
+
+
+def truncate_tail(env: lmdb.Environment, committed: int) -> None:
+    """Drop slots >= committed: what a crashed writer wrote but never committed."""
+    with env.begin(write=True) as txn:
+        entries = txn.stat()["entries"]
+        if entries < committed:
+            raise CorruptDatasetError(
+                f"{env.path()}: holds {entries} records but the manifest committed {committed}; "
+                "restore the file or run `kvdata reindex`"
+            )
+        if entries > committed:
+            cur = txn.cursor()
+            while cur.set_range(fmt.slot_key(committed)):
+                cur.delete()
+
+
+def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool) -> tuple[dict[str, Any], np.ndarray]:
+    """Copy the tail compacted into an immutable shard; return (manifest entry, record rows).
+
+    The shard and its .zst appear under their real names only once complete and fsync'ed.
+    """
+    dest = shards_dir / fmt.shard_name(shard_id)
+    tmp = dest.with_name(dest.name + ".tmp")
+    ztmp = dest.with_name(dest.name + ".zst.tmp")
+    unlink_quiet(tmp)
+    try:
+        tail_env.copy(str(tmp), compact=True)
+        fsync_file(tmp)
+        records, _ = scan(tmp)
+        size, sha = file_sha256(tmp)
+        entry: dict[str, Any] = {"id": shard_id, "name": dest.name, "records": int(len(records)),
+                                 "bytes": size, "sha256": sha, "zst": None}
+        if compress:
+            with open(ztmp, "wb") as f:
+                zsize, zsha = compress_file(tmp, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(ztmp, dest.with_name(dest.name + ".zst"))
+            entry["zst"] = {"name": dest.name + ".zst", "bytes": zsize, "sha256": zsha}
+        os.replace(tmp, dest)
+        fsync_dir(shards_dir)
+    except BaseException:
+        unlink_quiet(tmp)
+        unlink_quiet(ztmp)
+        raise
+    return entry, records
+
+
+def _map_base(path: Path, addr: int) -> int | None:
+    """File offset 0's address in the mapping of `path` that contains `addr`."""
+    ino = os.stat(path).st_ino
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) < 5 or int(parts[4]) != ino:
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    return lo - int(parts[2], 16)
+    except OSError:
+        return None
+    return None
+
+
+def scan(path: Path, want_meta: bool = False) -> tuple[np.ndarray, list[tuple[int, dict]] | None]:
+    """Record rows (offset, size, head|kind) of every slot of a shard file, in slot order.
+
+    Offsets come from where LMDB's own map places each value; if they cannot be
+    determined (no /proc), rows carry UNKNOWN_OFFSET and reads go through LMDB.
+    With want_meta, also return (kind, meta) per record for a rebuild of the index.
+    """
+    env = open_sealed_lmdb(path)
+    try:
+        with env.begin(buffers=True) as txn:
+            n = txn.stat()["entries"]
+            rows = np.zeros(n, dtype=fmt.RECORD_DTYPE)
+            metas: list[tuple[int, dict]] | None = [] if want_meta else None
+            base: int | None = None
+            for i, (k, v) in enumerate(txn.cursor()):
+                if fmt.slot_of(bytes(k)) != i:
+                    raise CorruptDatasetError(f"{path}: slot {i} is missing; the shard is damaged")
+                h = fmt.RecordHeader(v)
+                addr = np.frombuffer(v, np.uint8).ctypes.data
+                if i == 0:
+                    base = _map_base(path, addr)
+                rows[i] = (addr - base if base is not None else fmt.UNKNOWN_OFFSET,
+                           len(v) - h.head, h.head | (h.kind << 24))
+                if metas is not None:
+                    metas.append((h.kind, h.meta(v)))
+    except lmdb.Error as e:
+        raise CorruptDatasetError(f"{path}: LMDB cannot read this shard ({e}); restore it from a copy") from None
+    finally:
+        env.close()
+    if base is not None and n:
+        _check_offsets(path, rows)
+    return rows, metas
+
+
+def _check_offsets(path: Path, rows: np.ndarray) -> None:
+    """Cross-check a few offsets against the file itself; fall back to LMDB reads if off."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for i in sorted({0, len(rows) // 2, len(rows) - 1}):
+            off = int(rows["offset"][i])
+            head = os.pread(f.fileno(), fmt.PREFIX_SIZE, off) if off + fmt.PREFIX_SIZE <= size else b""
+            ok = len(head) == fmt.PREFIX_SIZE
+            if ok:
+                magic, kind, _v, _f, hd, _ll, _ml, _crc = fmt.PREFIX.unpack(head)
+                ok = magic == fmt.MAGIC and (hd | kind << 24) == int(rows["head_kind"][i])
+            if not ok:
+                rows["offset"] = fmt.UNKNOWN_OFFSET
+                return
+
+
+class SealedShard:
+    """A read-only memory map of one sealed shard file, shared by all reads in a process."""
+
+    __slots__ = ("path", "u8", "mv", "_env")
+
+    def __init__(self, path: Path, expected_bytes: int) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingShardError(
+                f"shard {path} is missing; restore it (or re-stage it) and run `kvdata verify`"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != expected_bytes:
+                raise CorruptDatasetError(
+                    f"shard {path} has {size} bytes, the manifest says {expected_bytes}; restore it and run `kvdata verify`"
+                )
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.u8 = np.frombuffer(mm, dtype=np.uint8)
+        self.mv = memoryview(mm)
+        self._env: lmdb.Environment | None = None
+
+    def lmdb_value(self, slot: int) -> bytes:
+        """A copy of a value read through LMDB (when the index has no offset for it)."""
+        if self._env is None:
+            self._env = open_sealed_lmdb(self.path)
+        with self._env.begin() as txn:
+            v = txn.get(fmt.slot_key(slot))
+        if v is None:
+            raise CorruptDatasetError(f"shard {self.path}: slot {slot} is missing; run `kvdata verify`")
+        return v
+
+    def advise(self, advice: int) -> None:
+        """Pass an madvise hint (e.g. MADV_RANDOM) for the whole map."""
+        try:
+            self.mv.obj.madvise(advice)  # type: ignore[attr-defined]
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
+def iter_lmdb_records(path: Path, tail: bool) -> Iterator[tuple[int, memoryview]]:
+    """(slot, value) of every record through LMDB, for verify and rebuild of a tail."""
+    env = open_tail_for_read(path) if tail else open_sealed_lmdb(path)
+    try:
+        with env.begin(buffers=True) as txn:
+            for k, v in txn.cursor():
+                yield fmt.slot_of(bytes(k)), v
+    finally:
+        env.close()

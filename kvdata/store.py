@@ -1,0 +1,435 @@
+"""The Store: one dataset directory, read through the memmap side-index.
+
+Reads see one committed generation (the one loaded at open or by the last
+commit/refresh), so a reader never observes half a commit. Sealed shards are
+memory-mapped once per process and sliced by the offsets the index holds; only
+records still in the open tail go through an LMDB read transaction.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import msgpack
+import numpy as np
+
+from . import format as fmt
+from .errors import ClosedError, CorruptDatasetError, NotADatasetError, ReadOnlyError
+from .index import Index
+from .shards import SealedShard, open_tail_for_read
+
+MANIFEST = "manifest.json"
+_HEAD_MASK = fmt.MAX_HEAD
+ShardLocator = Callable[[dict], Path]
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        if not root.exists():
+            raise NotADatasetError(
+                f"{root}: no such dataset; create one with `kvdata put {root} FILE` or kvdata.open(path, 'a')"
+            ) from None
+        if (root / "shards").is_dir():
+            raise CorruptDatasetError(f"{path} is missing; run `kvdata reindex {root}` to rebuild it from the shards") from None
+        raise NotADatasetError(f"{root} is not a kvdata dataset (no {MANIFEST}); check the path") from None
+    except (NotADirectoryError, IsADirectoryError):
+        raise NotADatasetError(f"{root} is not a kvdata dataset directory; check the path") from None
+    return fmt.parse_manifest(data, str(path))
+
+
+class KeysView:
+    """The keys of a store in sample order, read lazily from record headers."""
+
+    def __init__(self, store: "Store") -> None:
+        self._store = store
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self._store)
+        for start in range(0, n, 4096):
+            for _kind, meta in self._store._metas(np.arange(start, min(n, start + 4096))):
+                yield meta["k"]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._store
+
+
+class Store:
+    """A kvdata dataset. Use kvdata.open() to get one; use it as a context manager."""
+
+    def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str = "256MB",
+                 compress: bool = True, shard_locator: ShardLocator | None = None) -> None:
+        if mode not in ("r", "a", "w"):
+            raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
+        self.root = Path(root)
+        self.mode = mode
+        self._locator = shard_locator
+        self._pid = os.getpid()
+        self._sealed: dict[str, SealedShard] = {}
+        self._tail_env: Any = None
+        self._fork_leftovers: list[Any] = []
+        self._closed = False
+        self._writer: Any = None
+        if mode == "r":
+            self._load()
+        else:
+            from .writer import Writer  # the write path is only loaded by writers
+
+            self._writer = Writer(self, shard_size=shard_size, compress=compress, reset=(mode == "w"))
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _load(self) -> None:
+        """Load the current generation's manifest and index (retrying if a commit races us)."""
+        for attempt in range(5):
+            m = read_manifest(self.root)
+            try:
+                self._index = Index(self.root / "index", m)
+            except FileNotFoundError as e:
+                if attempt < 4 and read_manifest(self.root)["generation"] != m["generation"]:
+                    continue
+                raise CorruptDatasetError(f"index file {e.filename} is missing; run `kvdata reindex {self.root}`") from None
+            break
+        old_tail = getattr(self, "manifest", {}).get("tail")
+        self.manifest = m
+        self._entries = m["shards"]
+        self._shard_handles: list[SealedShard | None] = [self._sealed.get(s["sha256"]) for s in self._entries]
+        if self._tail_env is not None and old_tail != m["tail"] and self._writer is None:
+            self._tail_env.close()
+            self._tail_env = None
+
+    def refresh(self) -> bool:
+        """Move a reader to the newest committed generation; True if it changed."""
+        self._check_open()
+        gen = self.manifest["generation"]
+        if read_manifest(self.root)["generation"] != gen:
+            self._load()
+        return self.manifest["generation"] != gen
+
+    def close(self) -> None:
+        """Commit pending writes (mode a/w) and release files. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._writer is not None:
+                self._writer.close(commit=True)
+        finally:
+            self._closed = True
+            if self._tail_env is not None and self._writer is None and os.getpid() == self._pid:
+                self._tail_env.close()
+            self._tail_env = None
+            self._sealed.clear()
+            self._shard_handles = []
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and self._writer is not None:
+            self._writer.close(commit=False)
+            self._writer = None
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_writer", None) is not None and not self._closed:
+            try:
+                self._writer.close(commit=False)
+            except Exception:
+                pass
+
+    def __reduce__(self) -> tuple:
+        if self.mode != "r":
+            raise ReadOnlyError(f"{self.root}: a store open for writing cannot be pickled; pickle a read-only one")
+        return (Store, (str(self.root), "r"), None, None, None)
+
+    def __repr__(self) -> str:
+        return f"<kvdata.Store {str(self.root)!r} mode={self.mode!r} samples={len(self)} generation={self.generation}>"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.root}: the store is closed; open it again")
+        if os.getpid() != self._pid:
+            self._after_fork()
+
+    def _after_fork(self) -> None:
+        # LMDB handles must not be used or closed in a child; keep them referenced so
+        # their destructor never runs here. Memory maps stay valid across fork.
+        self._fork_leftovers.append(self._tail_env)
+        self._tail_env = None
+        for h in self._sealed.values():
+            self._fork_leftovers.append(h._env)
+            h._env = None
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def generation(self) -> int:
+        return int(self.manifest["generation"])
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.manifest.get("classes") or [])
+
+    @property
+    def fields(self) -> dict[str, dict[str, Any]]:
+        return dict(self.manifest.get("fields") or {})
+
+    @property
+    def labels(self) -> np.ndarray:
+        """int64 label per sample (fmt.NO_LABEL where none), a read-only view of the index."""
+        return self._index.samples["label"]
+
+    def shard_of(self, indices: Any) -> np.ndarray:
+        """Shard id of each sample index: what samplers and the stager plan with."""
+        return self._index.samples["shard"][np.asarray(indices, dtype=np.int64)].astype(np.int64)
+
+    @property
+    def sample_shards(self) -> np.ndarray:
+        """Shard id of every sample, a read-only view of the index."""
+        return self._index.samples["shard"]
+
+    def __len__(self) -> int:
+        return self._index.count
+
+    # ------------------------------------------------------------ reads
+
+    def _positions(self, indices: Any) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = self._index.count
+        if idx.size and (idx.min() < 0):
+            idx = np.where(idx < 0, idx + n, idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = idx[(idx < 0) | (idx >= n)][0]
+            raise IndexError(f"sample index {int(bad)} out of range for {n} samples in {self.root}")
+        return idx
+
+    def get_many(self, indices: Sequence[int] | np.ndarray, *, copy: bool = False) -> list[Any]:
+        """Records at sample indices, in the order given.
+
+        Sealed records are sliced from memory maps: byte records come back as
+        read-only memoryviews and array fields as read-only numpy views, valid
+        while the store is open (copy=True returns owned bytes/arrays).
+        """
+        self._check_open()
+        pos = self._positions(indices)
+        shard, slot, rec = self._index.resolve(pos)
+        out: list[Any] = [None] * len(pos)
+        sealed = rec >= 0
+        all_sealed = bool(sealed.all())
+        where = np.arange(len(pos)) if all_sealed else np.nonzero(sealed)[0]
+        if len(where):
+            sh = shard if all_sealed else shard[where]
+            r = self._index.records[rec if all_sealed else rec[where]]
+            hk = r["head_kind"]
+            ends = r["offset"].astype(np.int64) + (hk & _HEAD_MASK) + r["size"]
+            if (ends > self._index.shard_bytes[sh]).any():
+                raise CorruptDatasetError(f"{self.root}: side-index offsets run past a shard's end; run `kvdata reindex`")
+            handles = self._shard_handles
+            unknown = r["offset"] == fmt.UNKNOWN_OFFSET
+            for j, s, off, size, hk_ in zip(where.tolist(), sh.tolist(), r["offset"].tolist(),
+                                            r["size"].tolist(), hk.tolist()):
+                h = handles[s] or self._open_sealed(s)
+                head = hk_ & _HEAD_MASK
+                if hk_ >> 24 == fmt.KIND_RAW:
+                    a = off + head
+                    out[j] = h.mv[a:a + size] if not copy else h.mv[a:a + size].tobytes()
+                else:
+                    out[j] = self._decode(h.u8, h.mv, off, head, copy)
+            if unknown.any():
+                for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
+                    out[j] = self._decode_value(self._open_sealed(s).lmdb_value(sl), copy)
+        if not all_sealed:
+            tail_at = np.nonzero(~sealed)[0]
+            for j, v in zip(tail_at.tolist(), self._tail_values(slot[tail_at].tolist())):
+                out[j] = self._decode_value(v, copy)
+        return out
+
+    @staticmethod
+    def _decode(u8: np.ndarray, mv: memoryview, off: int, head: int, copy: bool) -> dict[str, Any]:
+        ll = fmt.PREFIX.unpack_from(mv, off)[5]
+        s = off + fmt.PREFIX_SIZE
+        return fmt.decode_fields(u8, off, head, msgpack.unpackb(mv[s:s + ll]), copy)
+
+    def _decode_value(self, v: bytes, copy: bool) -> Any:
+        h = fmt.RecordHeader(v)
+        if h.kind == fmt.KIND_RAW:
+            return bytes(v[h.head:]) if copy else memoryview(v)[h.head:]
+        return fmt.decode_fields(np.frombuffer(v, np.uint8), 0, h.head, h.layout(v), False)
+
+    def _open_sealed(self, shard_id: int) -> SealedShard:
+        entry = self._entries[shard_id]
+        h = self._sealed.get(entry["sha256"])
+        if h is None:
+            path = self._locator(entry) if self._locator else self.root / "shards" / entry["name"]
+            h = SealedShard(path, int(entry["bytes"]))
+            self._sealed[entry["sha256"]] = h
+        self._shard_handles[shard_id] = h
+        return h
+
+    def _tail_values(self, slots: list[int]) -> list[bytes]:
+        """Copies of tail records (LMDB buffers die with their transaction)."""
+        env = self._writer.read_env(self.manifest["tail"]["id"]) if self._writer else self._open_tail()
+        if env is None:  # the tail was sealed since we loaded: same slots, now a sealed file
+            h = self._open_sealed_fallback()
+            return [h.lmdb_value(s) for s in slots]
+        out = []
+        with env.begin() as txn:
+            for s in slots:
+                v = txn.get(fmt.slot_key(s))
+                if v is None:
+                    raise CorruptDatasetError(f"{self.root}: tail record {s} is missing; run `kvdata verify`")
+                out.append(v)
+        return out
+
+    def _open_tail(self) -> Any:
+        if self._tail_env is None:
+            path = self.root / "shards" / self.manifest["tail"]["name"]
+            try:
+                self._tail_env = open_tail_for_read(path)
+            except FileNotFoundError:
+                return None
+        return self._tail_env
+
+    def _open_sealed_fallback(self) -> SealedShard:
+        tid = self.manifest["tail"]["id"]
+        current = read_manifest(self.root)
+        for e in current["shards"]:
+            if e["id"] == tid:
+                path = self._locator(e) if self._locator else self.root / "shards" / e["name"]
+                return SealedShard(path, int(e["bytes"]))
+        raise CorruptDatasetError(f"{self.root}: tail shard {self.manifest['tail']['name']} is missing; run `kvdata reindex`")
+
+    def _metas(self, positions: Any) -> list[tuple[int, dict]]:
+        """(kind, meta) of the records at sample positions: keys and labels without payloads."""
+        pos = self._positions(positions)
+        shard, slot, rec = self._index.resolve(pos)
+        out: list[Any] = [None] * len(pos)
+        tail_at: list[int] = []
+        offs = np.zeros(len(pos), np.uint64)
+        offs[rec >= 0] = self._index.records["offset"][rec[rec >= 0]]
+        for j, (s, r, off) in enumerate(zip(shard.tolist(), rec.tolist(), offs.tolist())):
+            if r < 0:
+                tail_at.append(j)
+                continue
+            h = self._shard_handles[s] or self._open_sealed(s)
+            if off == int(fmt.UNKNOWN_OFFSET):
+                v = h.lmdb_value(int(slot[j]))
+                hd = fmt.RecordHeader(v)
+                out[j] = (hd.kind, hd.meta(v))
+                continue
+            _m, kind, _v, _f, _h, ll, ml, _c = fmt.PREFIX.unpack_from(h.mv, off)
+            s0 = off + fmt.PREFIX_SIZE + ll
+            out[j] = (kind, msgpack.unpackb(h.mv[s0:s0 + ml]))
+        if tail_at:
+            for j, v in zip(tail_at, self._tail_values([int(slot[j]) for j in tail_at])):
+                hd = fmt.RecordHeader(v)
+                out[j] = (hd.kind, hd.meta(v))
+        return out
+
+    def find(self, key: str | bytes) -> int | None:
+        """Sample index of `key`, or None."""
+        self._check_open()
+        kb = fmt.check_key(key)
+        skey = kb.decode("utf-8")
+        for p in self._index.candidates(fmt.key_hash(kb)):
+            if p < self._index.count and self._metas([p])[0][1]["k"] == skey:
+                return p
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return self.find(key) is not None  # type: ignore[arg-type]
+        except fmt.InvalidKeyError:
+            return False
+
+    def get(self, key: str | bytes, default: Any = None, *, copy: bool = False) -> Any:
+        """The record stored under `key`, or `default`."""
+        p = self.find(key)
+        return default if p is None else self.get_many([p], copy=copy)[0]
+
+    def __getitem__(self, item: int | str) -> Any:
+        if isinstance(item, (int, np.integer)):
+            return self.get_many([int(item)])[0]
+        if isinstance(item, (str, bytes)):
+            p = self.find(item)
+            if p is None:
+                raise KeyError(item)
+            return self.get_many([p])[0]
+        raise TypeError(f"index a Store with an int or a str key, not {type(item).__name__}")
+
+    def __iter__(self) -> Iterator[Any]:
+        n = len(self)
+        for start in range(0, n, 256):
+            yield from self.get_many(range(start, min(n, start + 256)))
+
+    def keys(self) -> KeysView:
+        self._check_open()
+        return KeysView(self)
+
+    def key_at(self, index: int) -> str:
+        return self._metas([index])[0][1]["k"]
+
+    def record_info(self, index: int) -> dict[str, Any]:
+        """Metadata of one record (what `kvdata get --json` prints)."""
+        pos = int(self._positions([index])[0])
+        shard, slot, _rec = self._index.resolve(np.array([pos]))
+        kind, meta = self._metas([pos])[0]
+        value = self.get_many([pos])[0]
+        info: dict[str, Any] = {"key": meta["k"], "index": pos, "shard": int(shard[0]), "slot": int(slot[0]),
+                                "label": meta.get("l"), "kind": "bytes" if kind == fmt.KIND_RAW else "fields"}
+        if kind == fmt.KIND_RAW:
+            info["size"] = len(value)
+        else:
+            info["fields"] = {name: _describe(v) for name, v in value.items()}
+        return info
+
+    # ------------------------------------------------------------ writes (delegated)
+
+    def _w(self) -> Any:
+        self._check_open()
+        if self._writer is None:
+            raise ReadOnlyError(f"{self.root} is open read-only; open it with mode='a' to write")
+        return self._writer
+
+    def put(self, key: str, value: Any, *, label: int | None = None) -> None:
+        """Store `value` (bytes, or a dict of arrays/bytes/str/scalars) under `key`."""
+        self._w().put(key, value, label)
+
+    def put_many(self, pairs: Iterable[tuple[Any, ...]]) -> int:
+        """Store many (key, value) or (key, value, label) tuples; returns how many."""
+        return self._w().put_many(pairs)
+
+    def delete(self, key: str) -> None:
+        self._w().delete(key)
+
+    def set_classes(self, classes: Sequence[str]) -> None:
+        """Class names (label i -> classes[i]) kept in the manifest."""
+        self._w().classes = [str(c) for c in classes]
+
+    def commit(self) -> int:
+        """Make every write since the last commit durable and visible, atomically; returns the generation."""
+        return self._w().commit()
+
+
+def _describe(v: Any) -> dict[str, Any]:
+    if isinstance(v, np.ndarray):
+        return {"type": "array", "dtype": v.dtype.str, "shape": list(v.shape), "nbytes": int(v.nbytes)}
+    if isinstance(v, (bytes, memoryview)):
+        return {"type": "bytes", "nbytes": len(v)}
+    if isinstance(v, str):
+        return {"type": "str", "nbytes": len(v.encode())}
+    return {"type": type(v).__name__, "value": v}
+
+
+def open_store(path: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str = "256MB",
+               compress: bool = True) -> Store:
+    """Open a dataset: "r" reads, "a" appends (creating it if missing), "w" starts it empty."""
+    return Store(path, mode, shard_size=shard_size, compress=compress)
