@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import lmdb
 import numpy as np
@@ -81,7 +81,7 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
     try:
         tail_env.copy(str(tmp), compact=True)
         fsync_file(tmp)
-        records, _ = scan(tmp)
+        records = scan(tmp)
         size, sha = file_sha256(tmp)
         entry: dict[str, Any] = {"id": shard_id, "name": dest.name, "records": int(len(records)),
                                  "bytes": size, "sha256": sha, "zst": None}
@@ -118,19 +118,18 @@ def _map_base(path: Path, addr: int) -> int | None:
     return None
 
 
-def scan(path: Path, want_meta: bool = False) -> tuple[np.ndarray, list[tuple[int, dict]] | None]:
+def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], None] | None = None) -> np.ndarray:
     """Record rows (offset, size, head|kind) of every slot of a shard file, in slot order.
 
     Offsets come from where LMDB's own map places each value; if they cannot be
     determined (no /proc), rows carry UNKNOWN_OFFSET and reads go through LMDB.
-    With want_meta, also return (kind, meta) per record for a rebuild of the index.
+    `on_record(slot, header, value)` sees each record (for a rebuild of the index).
     """
     env = open_sealed_lmdb(path)
     try:
         with env.begin(buffers=True) as txn:
             n = txn.stat()["entries"]
             rows = np.zeros(n, dtype=fmt.RECORD_DTYPE)
-            metas: list[tuple[int, dict]] | None = [] if want_meta else None
             base: int | None = None
             for i, (k, v) in enumerate(txn.cursor()):
                 if fmt.slot_of(bytes(k)) != i:
@@ -141,15 +140,15 @@ def scan(path: Path, want_meta: bool = False) -> tuple[np.ndarray, list[tuple[in
                     base = _map_base(path, addr)
                 rows[i] = (addr - base if base is not None else fmt.UNKNOWN_OFFSET,
                            len(v) - h.head, h.head | (h.kind << 24))
-                if metas is not None:
-                    metas.append((h.kind, h.meta(v)))
+                if on_record is not None:
+                    on_record(i, h, v)
     except lmdb.Error as e:
         raise CorruptDatasetError(f"{path}: LMDB cannot read this shard ({e}); restore it from a copy") from None
     finally:
         env.close()
     if base is not None and n:
         _check_offsets(path, rows)
-    return rows, metas
+    return rows
 
 
 def _check_offsets(path: Path, rows: np.ndarray) -> None:

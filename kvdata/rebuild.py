@@ -1,0 +1,248 @@
+"""`kvdata reindex`: rebuild the side-index (and, if lost, the manifest) from the shards alone.
+
+The shards are the truth: records in (shard, slot) order replay every put and
+delete. A key's last record decides whether it lives (a tombstone deletes it) and
+which record it reads; its position is where it first appeared after its last
+deletion. That is exactly what the online writer does, so a rebuilt index equals
+the one the writer kept.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import format as fmt
+from . import index as ix
+from .codec import file_sha256
+from .errors import CorruptDatasetError, KVDataError, NotADatasetError
+from .fsutil import atomic_write, fsync_dir, unlink_quiet
+from .progress import progress as make_progress
+from .shards import open_sealed_lmdb, open_tail_for_write, scan, truncate_tail
+from .store import read_manifest
+from .writer import _lock
+
+_SEALED_RE = re.compile(r"^(\d{6})\.mdb$")
+_TAIL_RE = re.compile(r"^tail-(\d{6})\.mdb$")
+
+
+class _Collector:
+    """Per-record arrays gathered while scanning shards, one shard at a time."""
+
+    def __init__(self) -> None:
+        self.hash: list[int] = []
+        self.kind: list[int] = []
+        self.label: list[int] = []
+        self.shard: list[int] = []
+        self.slot: list[int] = []
+        self.schema: dict[str, Any] = {}
+        self._last: Any = None
+        self.shard_id = 0
+
+    def __call__(self, slot: int, h: fmt.RecordHeader, v: memoryview) -> None:
+        meta = h.meta(v)
+        self.hash.append(fmt.key_hash(meta["k"].encode("utf-8")))
+        self.kind.append(h.kind)
+        self.label.append(meta.get("l", fmt.NO_LABEL))
+        self.shard.append(self.shard_id)
+        self.slot.append(slot)
+        if h.kind == fmt.KIND_FIELDS:
+            sch = fmt.field_schema(h.layout(v))
+            if sch != self._last:
+                self.schema = fmt.merge_schema(self.schema, sch)
+                self._last = sch
+
+
+def _discover(root: Path) -> tuple[list[int], int | None]:
+    """Sealed shard ids and the tail id found on disk (when the manifest is lost)."""
+    sealed, tails = [], []
+    for p in (root / "shards").iterdir():
+        if m := _SEALED_RE.match(p.name):
+            sealed.append(int(m.group(1)))
+        elif m := _TAIL_RE.match(p.name):
+            tails.append(int(m.group(1)))
+    sealed.sort()
+    if sealed != list(range(len(sealed))):
+        missing = sorted(set(range(max(sealed) + 1)) - set(sealed))
+        raise CorruptDatasetError(f"{root / 'shards'}: sealed shard(s) {missing} are missing; restore them, then reindex")
+    tail = max(tails) if tails else None
+    return sealed, tail
+
+
+def reindex(path: str | os.PathLike[str], *, progress: bool | None = None) -> dict[str, Any]:
+    """Rebuild index files and manifest from the shards; returns a summary."""
+    root = Path(path)
+    if not (root / "shards").is_dir():
+        raise NotADatasetError(f"{root} has no shards/ directory; it is not a kvdata dataset")
+    lock_fd = _lock(root)
+    try:
+        return _reindex_locked(root, progress)
+    finally:
+        os.close(lock_fd)
+
+
+def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
+    try:
+        m: dict[str, Any] | None = read_manifest(root)
+    except KVDataError:
+        m = None
+    shards_dir = root / "shards"
+    if m is not None:
+        entries = list(m["shards"])
+        tail_id, tail_records = int(m["tail"]["id"]), int(m["tail"]["records"])
+        shard_size, compress = int(m["shard_size"]), bool(m["compress"])
+    else:
+        ids, found_tail = _discover(root)
+        entries = [_entry_from_disk(shards_dir, i) for i in ids]
+        tail_id = len(ids)
+        if found_tail is not None and found_tail != tail_id:
+            raise CorruptDatasetError(f"{shards_dir}: tail-{found_tail:06d}.mdb does not follow the sealed shards; restore the shards")
+        tail_records = -1  # unknown: keep every record in the tail
+        shard_size = 256_000_000
+        compress = any(e["zst"] for e in entries) or not entries
+    collect = _Collector()
+    record_rows: list[np.ndarray] = []
+    total = sum(int(e["records"]) for e in entries)
+    bar = make_progress(total or None, "reindex", show)
+    try:
+        for e in entries:
+            path = shards_dir / e["name"]
+            if not path.exists():
+                raise CorruptDatasetError(f"shard {path} is missing; restore it, then run reindex again")
+            collect.shard_id = int(e["id"])
+            rows = scan(path, collect)
+            if len(rows) != int(e["records"]):
+                raise CorruptDatasetError(f"shard {path} holds {len(rows)} records, the manifest says {e['records']}; restore it")
+            record_rows.append(rows)
+            bar.update(len(rows))
+        tail_path = shards_dir / fmt.tail_name(tail_id)
+        tail_n = 0
+        if tail_path.exists():
+            env = open_tail_for_write(tail_path, shard_size)
+            try:
+                if tail_records >= 0:
+                    truncate_tail(env, tail_records)
+                collect.shard_id = tail_id
+                with env.begin(buffers=True) as txn:
+                    for k, v in txn.cursor():
+                        collect(fmt.slot_of(bytes(k)), fmt.RecordHeader(v), v)
+                        tail_n += 1
+            finally:
+                env.close()
+        elif tail_records > 0:
+            raise CorruptDatasetError(f"tail shard {tail_path} is missing; restore it, then run reindex again")
+    finally:
+        bar.close()
+
+    samples, hashes = _resolve(collect, entries, shards_dir, tail_id, tail_path)
+    gen = (int(m["generation"]) if m else _max_generation(root)) + 1
+    index_dir = root / "index"
+    index_dir.mkdir(exist_ok=True)
+    names = {"samples": f"samples-{gen:08d}.bin", "records": f"records-{gen:08d}.bin", "keys": f"keys-{gen:08d}-00.bin"}
+    records = np.concatenate(record_rows) if record_rows else np.zeros(0, fmt.RECORD_DTYPE)
+    ix.write_new(index_dir / names["samples"], samples)
+    ix.write_new(index_dir / names["records"], records)
+    ix.write_key_run(index_dir / names["keys"], hashes, np.arange(len(samples), dtype=np.uint64))
+    fsync_dir(index_dir)
+    new_m = dict(m) if m else fmt.new_manifest(shard_size, compress)
+    new_m.update({
+        "generation": gen, "count": int(len(samples)), "shards": entries,
+        "tail": {"id": tail_id, "name": fmt.tail_name(tail_id), "records": tail_n},
+        "index": {"samples": names["samples"], "records": names["records"], "records_count": int(len(records)),
+                  "keys": [{"name": names["keys"], "count": int(len(samples))}]},
+        "fields": collect.schema if not m else (m.get("fields") or collect.schema),
+    })
+    atomic_write(root / "manifest.json", fmt.dump_manifest(new_m))
+    for p in index_dir.iterdir():
+        if p.name not in names.values():
+            unlink_quiet(p)
+    return {"dataset": str(root), "generation": gen, "samples": int(len(samples)), "shards": len(entries),
+            "records": int(len(collect.hash)), "manifest_rebuilt": m is None}
+
+
+def _entry_from_disk(shards_dir: Path, shard_id: int) -> dict[str, Any]:
+    path = shards_dir / fmt.shard_name(shard_id)
+    size, sha = file_sha256(path)
+    env = open_sealed_lmdb(path)
+    try:
+        n = env.stat()["entries"]
+    finally:
+        env.close()
+    entry: dict[str, Any] = {"id": shard_id, "name": path.name, "records": n, "bytes": size, "sha256": sha, "zst": None}
+    zst = path.with_name(path.name + ".zst")
+    if zst.exists():
+        zsize, zsha = file_sha256(zst)
+        entry["zst"] = {"name": zst.name, "bytes": zsize, "sha256": zsha}
+    return entry
+
+
+def _max_generation(root: Path) -> int:
+    """Highest generation named by leftover index files, so generations never go back."""
+    gens = [int(m.group(1)) for p in (root / "index").glob("*.bin") if (m := re.search(r"-(\d{8})", p.name))]
+    return max(gens, default=0)
+
+
+def _resolve(c: _Collector, entries: list[dict], shards_dir: Path, tail_id: int, tail_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Replay records in order into (sample rows, key hashes) in sample order."""
+    h = np.array(c.hash, dtype=np.uint64)
+    n = len(h)
+    seq = np.arange(n)
+    order = np.lexsort((seq, h))
+    hs = h[order]
+    start = np.ones(n, dtype=bool)
+    start[1:] = hs[1:] != hs[:-1]
+    group_start = np.nonzero(start)[0]
+    group_len = np.diff(np.append(group_start, n))
+    kind = np.array(c.kind, dtype=np.int64)
+    birth = np.full(n, -1, dtype=np.int64)   # birth seq of the record that ends up live, indexed by pointer seq
+    single = group_start[group_len == 1]
+    s_seq = order[single]
+    live = s_seq[kind[s_seq] != fmt.KIND_TOMBSTONE]
+    birth[live] = live
+    multi = [(int(a), int(b)) for a, b in zip(group_start[group_len > 1], group_len[group_len > 1])]
+    if multi:
+        keys = _read_keys(c, [int(order[a + i]) for a, ln in multi for i in range(ln)], entries, shards_dir, tail_id, tail_path)
+        for a, ln in multi:
+            state: dict[str, tuple[int, int]] = {}
+            for i in range(ln):  # records of this hash in seq order
+                r = int(order[a + i])
+                k = keys[r]
+                if kind[r] == fmt.KIND_TOMBSTONE:
+                    state.pop(k, None)
+                elif k in state:
+                    state[k] = (state[k][0], r)
+                else:
+                    state[k] = (r, r)
+            for b, ptr in state.values():
+                birth[ptr] = b
+    ptrs = np.nonzero(birth >= 0)[0]
+    ptrs = ptrs[np.argsort(birth[ptrs], kind="stable")]
+    samples = np.zeros(len(ptrs), dtype=fmt.SAMPLE_DTYPE)
+    samples["shard"] = np.array(c.shard, dtype=np.uint32)[ptrs]
+    samples["slot"] = np.array(c.slot, dtype=np.uint32)[ptrs]
+    samples["label"] = np.array(c.label, dtype=np.int64)[ptrs]
+    return samples, h[ptrs]
+
+
+def _read_keys(c: _Collector, seqs: list[int], entries: list[dict], shards_dir: Path,
+               tail_id: int, tail_path: Path) -> dict[int, str]:
+    """Keys of a few records (those sharing a hash), read back from their shards."""
+    out: dict[int, str] = {}
+    by_shard: dict[int, list[int]] = {}
+    for r in seqs:
+        by_shard.setdefault(c.shard[r], []).append(r)
+    for sid, rs in by_shard.items():
+        path = tail_path if sid == tail_id else shards_dir / entries[sid]["name"]
+        env = open_sealed_lmdb(path)
+        try:
+            with env.begin() as txn:
+                for r in rs:
+                    v = txn.get(fmt.slot_key(c.slot[r]))
+                    out[r] = fmt.RecordHeader(v).meta(v)["k"]
+        finally:
+            env.close()
+    return out
