@@ -74,11 +74,10 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
                 rm = RaggedMmap.from_lists(root / "ninja", list(arr))
             else:
                 rm.extend(list(arr))
-        # A finished dataset keeps its last (< shard_size) records in the LMDB tail; there is no
-        # public "seal" yet, so we seal it through the writer to measure the memmap read path.
-        w = st._writer
-        if not args.keep_tail and getattr(w, "tail_slots", 0):
-            w._seal()
+        # A finished dataset is sealed (as `kvdata import` does) so every record is read by
+        # memory-map offset; --keep-tail measures the open LMDB tail instead.
+        if not args.keep_tail:
+            st.seal()
     env.close()
     np.save(root / "offsets.npy", np.arange(n + 1, dtype=np.int64) * nbytes)
     with kvdata.open(root / "kvdata") as st:

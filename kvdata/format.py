@@ -7,7 +7,8 @@ Record (one LMDB value)::
 
     prefix  20 bytes  '<BBBBIIII': magic 0x4B, kind, version, flags,
                       head (payload start), layout_len, meta_len, crc32
-    layout  msgpack   list of [name, code, shape-or-value, offset, nbytes]
+    layout  msgpack   list of [name, code, shape, offset, nbytes]; code is a numpy
+                      dtype string, or bytes/str/int/uint/float/bool/none
     meta    msgpack   {"k": key, "l": label}
     padding           up to `head`, a multiple of 8
     payload           raw field bytes, each field 8-byte aligned
@@ -59,6 +60,28 @@ POS_DTYPE = np.dtype("<u8")
 
 SCALAR_TYPES = (bool, int, float, type(None))
 _ARRAY_KINDS = "biufc"
+
+# Field kinds of a decoding plan. Scalars live in the payload (not the layout), so
+# records with equal field shapes share byte-identical layouts and one cached plan.
+F_ARRAY, F_BYTES, F_STR, F_INT, F_UINT, F_FLOAT, F_BOOL, F_NONE = range(8)
+_SCALAR_CODES = {"int": F_INT, "uint": F_UINT, "float": F_FLOAT, "bool": F_BOOL, "none": F_NONE}
+_I8 = struct.Struct("<q")
+_U8 = struct.Struct("<Q")
+_F8 = struct.Struct("<d")
+
+
+def _pack_scalar(key: str, name: str, v: Any) -> tuple[str, bytes]:
+    if v is None:
+        return "none", b""
+    if isinstance(v, bool):
+        return "bool", b"\x01" if v else b"\x00"
+    if isinstance(v, float):
+        return "float", _F8.pack(v)
+    if -(1 << 63) <= v < (1 << 63):
+        return "int", _I8.pack(v)
+    if 0 <= v < (1 << 64):
+        return "uint", _U8.pack(v)
+    raise InvalidValueError(f"key {key!r}, field {name!r}: int {v} does not fit in 64 bits; store it as str")
 
 
 def slot_key(slot: int) -> bytes:
@@ -187,10 +210,9 @@ def _layout_of(key: str, fields: Mapping[Any, Any]) -> tuple[list, list[memoryvi
             mv = memoryview(v.encode("utf-8"))
             entry = [name, "str", None, total, mv.nbytes]
         elif isinstance(v, SCALAR_TYPES):
-            if isinstance(v, int) and not isinstance(v, bool) and not -(1 << 63) <= v < (1 << 64):
-                raise InvalidValueError(f"key {key!r}, field {name!r}: int {v} does not fit in 64 bits")
-            layout.append([name, "scalar", v, 0, 0])
-            continue
+            code, packed = _pack_scalar(key, name, v)
+            mv = memoryview(packed)
+            entry = [name, code, None, total, mv.nbytes]
         else:
             raise InvalidValueError(
                 f"key {key!r}, field {name!r}: cannot store a {type(v).__name__}; "
@@ -235,33 +257,59 @@ def record_crc_ok(buf: Any) -> bool:
     return zlib.crc32(mv[PREFIX_SIZE:], zlib.crc32(mv[:PREFIX_SIZE - 4])) == stored
 
 
-def decode_fields(u8: np.ndarray, start: int, head: int, layout: list, copy: bool) -> dict[str, Any]:
-    """Fields of a record whose value starts at u8[start]; arrays are views unless copy."""
-    out: dict[str, Any] = {}
-    base = start + head
+Plan = tuple  # tuple of (name, kind, dtype | None, shape, offset, nbytes) per field
+
+
+def make_plan(layout: list) -> Plan:
+    """Precompiled decoding steps for one layout (dtypes built once, not per record)."""
+    steps = []
     for name, code, shape, off, nbytes in layout:
-        if code == "scalar":
-            out[name] = shape
-            continue
-        a = base + off
-        raw = u8[a:a + nbytes]
         if code == "bytes":
-            out[name] = raw.tobytes() if copy else raw.data
+            steps.append((name, F_BYTES, None, None, off, nbytes))
         elif code == "str":
-            out[name] = raw.tobytes().decode("utf-8")
+            steps.append((name, F_STR, None, None, off, nbytes))
+        elif code in _SCALAR_CODES:
+            steps.append((name, _SCALAR_CODES[code], None, None, off, nbytes))
         else:
-            arr = raw.view(np.dtype(code)).reshape(shape)
+            steps.append((name, F_ARRAY, np.dtype(code), tuple(shape), off, nbytes))
+    return tuple(steps)
+
+
+def decode_plan(plan: Plan, u8: np.ndarray, mv: Any, base: int, copy: bool) -> dict[str, Any]:
+    """Fields of a record whose payload starts at u8[base]; arrays are views unless copy."""
+    out: dict[str, Any] = {}
+    for name, kind, dt, shape, off, n in plan:
+        a = base + off
+        if kind == F_ARRAY:
+            arr = u8[a:a + n].view(dt).reshape(shape)
             out[name] = arr.copy() if copy else arr
+        elif kind == F_INT:
+            out[name] = _I8.unpack_from(mv, a)[0]
+        elif kind == F_FLOAT:
+            out[name] = _F8.unpack_from(mv, a)[0]
+        elif kind == F_BYTES:
+            out[name] = bytes(mv[a:a + n]) if copy else mv[a:a + n]
+        elif kind == F_STR:
+            out[name] = bytes(mv[a:a + n]).decode("utf-8")
+        elif kind == F_BOOL:
+            out[name] = mv[a] != 0
+        elif kind == F_UINT:
+            out[name] = _U8.unpack_from(mv, a)[0]
+        else:
+            out[name] = None
     return out
+
+
+def decode_fields(u8: np.ndarray, start: int, head: int, layout: list, copy: bool) -> dict[str, Any]:
+    """Fields of a record whose value starts at u8[start] (uncached path)."""
+    return decode_plan(make_plan(layout), u8, memoryview(u8), start + head, copy)
 
 
 def field_schema(layout: list) -> dict[str, dict[str, Any]]:
     """Schema summary of one record's fields, merged across records by merge_schema."""
     out: dict[str, dict[str, Any]] = {}
     for name, code, shape, _off, _n in layout:
-        if code == "scalar":
-            out[name] = {"type": type(shape).__name__}
-        elif code in ("bytes", "str"):
+        if code in ("bytes", "str") or code in _SCALAR_CODES:
             out[name] = {"type": code}
         else:
             out[name] = {"type": "array", "dtype": code, "shape": list(shape)}

@@ -254,6 +254,7 @@ def _write(items: list[Item], dataset: str | os.PathLike[str], opts: Options, *,
                     value["label"] = it.label
                 store.put(it.key, value, label=it.label)
                 bar.update(1)
+            store.seal()  # a finished import is read by memory-map offset and can be staged
             store.commit()
     finally:
         if bar is not None:

@@ -170,7 +170,7 @@ def _check_offsets(path: Path, rows: np.ndarray) -> None:
 class SealedShard:
     """A read-only memory map of one sealed shard file, shared by all reads in a process."""
 
-    __slots__ = ("path", "u8", "mv", "_env")
+    __slots__ = ("path", "mm", "u8", "mv", "_env")
 
     def __init__(self, path: Path, expected_bytes: int) -> None:
         self.path = path
@@ -189,6 +189,7 @@ class SealedShard:
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
+        self.mm = mm
         self.u8 = np.frombuffer(mm, dtype=np.uint8)
         self.mv = memoryview(mm)
         self._env: lmdb.Environment | None = None
@@ -206,7 +207,7 @@ class SealedShard:
     def advise(self, advice: int) -> None:
         """Pass an madvise hint (e.g. MADV_RANDOM) for the whole map."""
         try:
-            self.mv.obj.madvise(advice)  # type: ignore[attr-defined]
+            self.mm.madvise(advice)
         except (AttributeError, OSError, ValueError):
             pass
 

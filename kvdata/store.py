@@ -16,12 +16,14 @@ import msgpack
 import numpy as np
 
 from . import format as fmt
+from .batching import Copier
 from .errors import ClosedError, CorruptDatasetError, NotADatasetError, ReadOnlyError
 from .index import Index
 from .shards import SealedShard, open_tail_for_read
 
 MANIFEST = "manifest.json"
 _HEAD_MASK = fmt.MAX_HEAD
+_PLAN_CACHE_MAX = 4096
 ShardLocator = Callable[[dict], Path]
 
 
@@ -65,7 +67,8 @@ class Store:
     """A kvdata dataset. Use kvdata.open() to get one; use it as a context manager."""
 
     def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str = "256MB",
-                 compress: bool = True, shard_locator: ShardLocator | None = None) -> None:
+                 compress: bool = True, shard_locator: ShardLocator | None = None,
+                 copy_threads: int | None = None) -> None:
         if mode not in ("r", "a", "w"):
             raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
         self.root = Path(root)
@@ -76,6 +79,8 @@ class Store:
         self._tail_env: Any = None
         self._fork_leftovers: list[Any] = []
         self._closed = False
+        self._plans: dict[bytes, fmt.Plan] = {}
+        self._copier = Copier(copy_threads)
         self._writer: Any = None
         if mode == "r":
             self._load()
@@ -127,6 +132,7 @@ class Store:
             self._tail_env = None
             self._sealed.clear()
             self._shard_handles = []
+            self._copier.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -234,15 +240,21 @@ class Store:
                 raise CorruptDatasetError(f"{self.root}: side-index offsets run past a shard's end; run `kvdata reindex`")
             handles = self._shard_handles
             unknown = r["offset"] == fmt.UNKNOWN_OFFSET
+            plans = self._plans
+            unpack = fmt.PREFIX.unpack_from
+            decode = fmt.decode_plan
             for j, s, off, size, hk_ in zip(where.tolist(), sh.tolist(), r["offset"].tolist(),
                                             r["size"].tolist(), hk.tolist()):
                 h = handles[s] or self._open_sealed(s)
                 head = hk_ & _HEAD_MASK
                 if hk_ >> 24 == fmt.KIND_RAW:
                     a = off + head
-                    out[j] = h.mv[a:a + size] if not copy else h.mv[a:a + size].tobytes()
+                    out[j] = h.mv[a:a + size] if not copy else h.mm[a:a + size]
                 else:
-                    out[j] = self._decode(h.u8, h.mv, off, head, copy)
+                    a = off + fmt.PREFIX_SIZE
+                    lb = h.mm[a:a + unpack(h.mv, off)[5]]
+                    plan = plans.get(lb) or self._plan(lb)
+                    out[j] = decode(plan, h.u8, h.mv, off + head, copy)
             if unknown.any():
                 for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
                     out[j] = self._decode_value(self._open_sealed(s).lmdb_value(sl), copy)
@@ -252,17 +264,28 @@ class Store:
                 out[j] = self._decode_value(v, copy)
         return out
 
-    @staticmethod
-    def _decode(u8: np.ndarray, mv: memoryview, off: int, head: int, copy: bool) -> dict[str, Any]:
-        ll = fmt.PREFIX.unpack_from(mv, off)[5]
-        s = off + fmt.PREFIX_SIZE
-        return fmt.decode_fields(u8, off, head, msgpack.unpackb(mv[s:s + ll]), copy)
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """A batch as arrays: each array field stacked into one (N, ...) array (one copy per
+        sample, large batches split across copy threads), scalars as 1-D arrays, ragged
+        fields and bytes as lists. Byte records come back as a list of bytes."""
+        recs = self.get_many(indices)
+        if recs and not isinstance(recs[0], dict):
+            return [bytes(r) for r in recs]
+        return self._copier.stack(recs)
+
+    def _plan(self, layout_bytes: bytes) -> fmt.Plan:
+        """Decoding plan of a layout, cached: records of equal shapes share one."""
+        if len(self._plans) >= _PLAN_CACHE_MAX:
+            self._plans.clear()
+        plan = self._plans[layout_bytes] = fmt.make_plan(msgpack.unpackb(layout_bytes))
+        return plan
 
     def _decode_value(self, v: bytes, copy: bool) -> Any:
         h = fmt.RecordHeader(v)
         if h.kind == fmt.KIND_RAW:
             return bytes(v[h.head:]) if copy else memoryview(v)[h.head:]
-        return fmt.decode_fields(np.frombuffer(v, np.uint8), 0, h.head, h.layout(v), False)
+        plan = self._plan(bytes(v[fmt.PREFIX_SIZE:fmt.PREFIX_SIZE + h.layout_len]))
+        return fmt.decode_plan(plan, np.frombuffer(v, np.uint8), memoryview(v), h.head, False)
 
     def _open_sealed(self, shard_id: int) -> SealedShard:
         entry = self._entries[shard_id]
@@ -374,6 +397,23 @@ class Store:
         self._check_open()
         return KeysView(self)
 
+    def describe(self, start: int = 0, stop: int | None = None) -> list[dict[str, Any]]:
+        """index, key, shard, slot, label and payload bytes of samples [start, stop), without reading payloads."""
+        self._check_open()
+        stop = len(self) if stop is None else min(stop, len(self))
+        pos = np.arange(start, max(start, stop))
+        shard, slot, rec = self._index.resolve(pos)
+        sizes = np.full(len(pos), -1, dtype=np.int64)
+        sizes[rec >= 0] = self._index.records["size"][rec[rec >= 0]]
+        tail_at = np.nonzero(rec < 0)[0]
+        for j, v in zip(tail_at.tolist(), self._tail_values(slot[tail_at].tolist())):
+            sizes[j] = len(v) - fmt.RecordHeader(v).head
+        out = []
+        for p, s, sl, size, (_kind, meta) in zip(pos.tolist(), shard.tolist(), slot.tolist(), sizes.tolist(),
+                                                  self._metas(pos)):
+            out.append({"index": p, "key": meta["k"], "shard": s, "slot": sl, "label": meta.get("l"), "bytes": size})
+        return out
+
     def key_at(self, index: int) -> str:
         return self._metas([index])[0][1]["k"]
 
@@ -409,6 +449,14 @@ class Store:
 
     def delete(self, key: str) -> None:
         self._w().delete(key)
+
+    def seal(self) -> None:
+        """Seal the tail at the next commit even if it is not full.
+
+        A finished dataset should end sealed: every record is then read by memory-map
+        offset, and every shard can be compressed, checksummed, pushed and staged.
+        """
+        self._w().seal_requested = True
 
     def set_classes(self, classes: Sequence[str]) -> None:
         """Class names (label i -> classes[i]) kept in the manifest."""

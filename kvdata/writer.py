@@ -142,6 +142,7 @@ class Writer:
         self.over: dict[int, tuple[int, int, int]] = {}
         self.deleted: set[int] = set()
         self.dirty = False
+        self.seal_requested = False
         self.schema = dict(m.get("fields") or {})
         self._last_schema: dict[str, Any] | None = None
         self.classes = list(m.get("classes") or [])
@@ -310,6 +311,10 @@ class Writer:
 
     def commit(self) -> int:
         self._check()
+        if self.seal_requested and self.tail_slots:
+            self._seal()
+            self.dirty = True
+        self.seal_requested = False
         if not self.dirty and self.classes == list(self.m.get("classes") or []):
             return int(self.m["generation"])
         try:
