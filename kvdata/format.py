@@ -200,7 +200,8 @@ def _layout_of(key: str, fields: Mapping[Any, Any]) -> tuple[list, list[memoryvi
                     "(object/string/structured arrays are not raw data); convert it to a numeric "
                     "array, or store bytes/str fields"
                 )
-            v = np.ascontiguousarray(v)
+            if not v.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+                v = v.copy(order="C")
             mv = memoryview(v.reshape(-1).view(np.uint8)) if v.size else memoryview(b"")
             entry = [name, v.dtype.str, list(v.shape), total, mv.nbytes]
         elif isinstance(v, (bytes, bytearray, memoryview)):

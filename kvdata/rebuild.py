@@ -22,7 +22,7 @@ from .codec import file_sha256
 from .errors import CorruptDatasetError, KVDataError, NotADatasetError
 from .fsutil import atomic_write, fsync_dir, unlink_quiet
 from .progress import progress as make_progress
-from .shards import open_sealed_lmdb, open_tail_for_write, scan, truncate_tail
+from .shards import ENVS, open_sealed_lmdb, open_tail_for_write, scan, truncate_tail
 from .store import read_manifest
 from .writer import _lock
 
@@ -127,12 +127,12 @@ def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
                 if tail_records >= 0:
                     truncate_tail(env, tail_records)
                 collect.shard_id = tail_id
-                with env.begin(buffers=True) as txn:
+                with ENVS.read(env, buffers=True) as txn:
                     for k, v in txn.cursor():
                         collect(fmt.slot_of(bytes(k)), fmt.RecordHeader(v), v)
                         tail_n += 1
             finally:
-                env.close()
+                ENVS.release(env)
         elif tail_records > 0:
             raise CorruptDatasetError(f"tail shard {tail_path} is missing; restore it, then run reindex again")
     finally:
@@ -171,7 +171,7 @@ def _entry_from_disk(shards_dir: Path, shard_id: int) -> dict[str, Any]:
     try:
         n = env.stat()["entries"]
     finally:
-        env.close()
+        ENVS.release(env)
     entry: dict[str, Any] = {"id": shard_id, "name": path.name, "records": n, "bytes": size, "sha256": sha, "zst": None}
     zst = path.with_name(path.name + ".zst")
     if zst.exists():
@@ -239,10 +239,10 @@ def _read_keys(c: _Collector, seqs: list[int], entries: list[dict], shards_dir: 
         path = tail_path if sid == tail_id else shards_dir / entries[sid]["name"]
         env = open_sealed_lmdb(path)
         try:
-            with env.begin() as txn:
+            with ENVS.read(env) as txn:
                 for r in rs:
                     v = txn.get(fmt.slot_key(c.slot[r]))
                     out[r] = fmt.RecordHeader(v).meta(v)["k"]
         finally:
-            env.close()
+            ENVS.release(env)
     return out

@@ -9,8 +9,11 @@ transaction, exactly the cost of an np.memmap slice.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -32,26 +35,120 @@ def tail_map_size(shard_size: int) -> int:
     return (size + _PAGE - 1) // _PAGE * _PAGE
 
 
+class EnvRegistry:
+    """One LMDB Environment per shard file per process, shared and reference-counted.
+
+    LMDB forbids opening one file twice in a process (its POSIX locks are per
+    process, so closing one handle would drop the other's locks); py-lmdb refuses
+    it. Every Store, the writer, verify and reindex in a process therefore borrow
+    environments from here. Tail envs are opened read-write when the file allows it
+    so a writer and readers in one process can share them; readers never begin a
+    write transaction.
+
+    After fork, the child closes the environments it inherited (py-lmdb would
+    otherwise refuse to reopen those files): LMDB's close only clears reader slots
+    of the calling pid, and fcntl locks are not inherited, so the parent is
+    untouched -- unless a transaction was live at the fork, whose abort would
+    touch shared state; such an env is left alone (`busy` counts live txns).
+    """
+
+    def __init__(self) -> None:
+        self._envs: dict[str, list[Any]] = {}
+        self._busy: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._leftovers: list[Any] = []
+
+    def _after_fork(self) -> None:
+        for env, _n in self._envs.values():
+            if self._busy.get(id(env)):
+                self._leftovers.append(env)
+            else:
+                try:
+                    env.close()
+                except lmdb.Error:
+                    self._leftovers.append(env)
+        self._envs, self._busy = {}, {}
+        self._pid = os.getpid()
+
+    def acquire(self, path: Path, *, sealed: bool, shard_size: int = 0, create: bool = False) -> lmdb.Environment:
+        key = os.path.realpath(path)
+        with self._lock:
+            if self._pid != os.getpid():
+                self._after_fork()
+            slot = self._envs.get(key)
+            if slot is not None:
+                slot[1] += 1
+                return slot[0]
+            if not create and not os.path.exists(key):
+                raise FileNotFoundError(errno.ENOENT, "no such shard file", str(path))
+            env = _open_sealed(key) if sealed else _open_tail(key, shard_size, create)
+            self._envs[key] = [env, 1]
+            return env
+
+    def release(self, env: lmdb.Environment) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            for key, slot in list(self._envs.items()):
+                if slot[0] is env:
+                    slot[1] -= 1
+                    if slot[1] <= 0:
+                        del self._envs[key]
+                        self._busy.pop(id(env), None)
+                        env.close()
+                    return
+
+    def mark_busy(self, env: lmdb.Environment, delta: int) -> None:
+        """Count a transaction opened (+1) or ended (-1) on env."""
+        with self._lock:
+            self._busy[id(env)] = self._busy.get(id(env), 0) + delta
+
+    @contextmanager
+    def read(self, env: lmdb.Environment, buffers: bool = False) -> Iterator[Any]:
+        """A read transaction that the fork logic above knows about."""
+        self.mark_busy(env, 1)
+        try:
+            with env.begin(buffers=buffers) as txn:
+                yield txn
+        finally:
+            self.mark_busy(env, -1)
+
+
+ENVS = EnvRegistry()
+
+
+def _open_tail(path: str, shard_size: int, create: bool) -> lmdb.Environment:
+    """A tail env takes part in LMDB's reader table, so the writer never reuses pages a
+    reader may still be reading; same flags for every user so one env serves all."""
+    map_size = tail_map_size(shard_size)
+    try:
+        return lmdb.open(path, subdir=False, map_size=map_size, max_readers=MAX_READERS, max_dbs=0, sync=True,
+                         metasync=True, meminit=False, readahead=True, lock=True, create=create,
+                         max_spare_txns=0)
+    except lmdb.Error:
+        if create or os.access(path, os.W_OK):
+            raise
+        return lmdb.open(path, subdir=False, readonly=True, lock=True, max_readers=MAX_READERS,
+                         max_spare_txns=0, create=False)
+
+
+def _open_sealed(path: str) -> lmdb.Environment:
+    """LMDB view of an immutable shard: no lock file, so it works on read-only copies."""
+    return lmdb.open(path, subdir=False, readonly=True, lock=False, create=False,
+                     max_spare_txns=0, map_size=max(os.path.getsize(path), _PAGE))
+
+
 def open_tail_for_write(path: Path, shard_size: int) -> lmdb.Environment:
-    return lmdb.open(
-        str(path), subdir=False, map_size=tail_map_size(shard_size), max_readers=MAX_READERS,
-        max_dbs=0, sync=True, metasync=True, meminit=False, readahead=False, lock=True,
-    )
+    return ENVS.acquire(path, sealed=False, shard_size=shard_size, create=True)
 
 
-def open_tail_for_read(path: Path) -> lmdb.Environment:
-    """A reader of the tail takes part in LMDB's reader table, so the writer never
-    reuses pages it may still be reading."""
-    if not path.exists():
-        raise FileNotFoundError(str(path))
-    return lmdb.open(str(path), subdir=False, readonly=True, lock=True, max_readers=MAX_READERS,
-                     max_spare_txns=0, create=False)
+def open_tail_for_read(path: Path, shard_size: int) -> lmdb.Environment:
+    return ENVS.acquire(path, sealed=False, shard_size=shard_size)
 
 
 def open_sealed_lmdb(path: Path) -> lmdb.Environment:
-    """LMDB view of an immutable shard: no lock file, so it works on read-only copies."""
-    return lmdb.open(str(path), subdir=False, readonly=True, lock=False, create=False,
-                     max_spare_txns=0, map_size=max(os.path.getsize(path), _PAGE))
+    return ENVS.acquire(path, sealed=True)
 
 
 def truncate_tail(env: lmdb.Environment, committed: int) -> None:
@@ -127,7 +224,7 @@ def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], No
     """
     env = open_sealed_lmdb(path)
     try:
-        with env.begin(buffers=True) as txn:
+        with ENVS.read(env, buffers=True) as txn:
             n = txn.stat()["entries"]
             rows = np.zeros(n, dtype=fmt.RECORD_DTYPE)
             base: int | None = None
@@ -145,7 +242,7 @@ def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], No
     except lmdb.Error as e:
         raise CorruptDatasetError(f"{path}: LMDB cannot read this shard ({e}); restore it from a copy") from None
     finally:
-        env.close()
+        ENVS.release(env)
     if base is not None and n:
         _check_offsets(path, rows)
     return rows
@@ -197,12 +294,18 @@ class SealedShard:
     def lmdb_value(self, slot: int) -> bytes:
         """A copy of a value read through LMDB (when the index has no offset for it)."""
         if self._env is None:
-            self._env = open_sealed_lmdb(self.path)
-        with self._env.begin() as txn:
+            self._env = open_sealed_lmdb(self.path)  # held for the process's life; shards are few
+        with ENVS.read(self._env) as txn:
             v = txn.get(fmt.slot_key(slot))
         if v is None:
             raise CorruptDatasetError(f"shard {self.path}: slot {slot} is missing; run `kvdata verify`")
         return v
+
+    def close(self) -> None:
+        """Give back the LMDB env (the memory map lives on while views of it exist)."""
+        if self._env is not None:
+            ENVS.release(self._env)
+            self._env = None
 
     def advise(self, advice: int) -> None:
         """Pass an madvise hint (e.g. MADV_RANDOM) for the whole map."""
@@ -212,12 +315,12 @@ class SealedShard:
             pass
 
 
-def iter_lmdb_records(path: Path, tail: bool) -> Iterator[tuple[int, memoryview]]:
+def iter_lmdb_records(path: Path, tail: bool, shard_size: int = 0) -> Iterator[tuple[int, memoryview]]:
     """(slot, value) of every record through LMDB, for verify and rebuild of a tail."""
-    env = open_tail_for_read(path) if tail else open_sealed_lmdb(path)
+    env = open_tail_for_read(path, shard_size) if tail else open_sealed_lmdb(path)
     try:
-        with env.begin(buffers=True) as txn:
+        with ENVS.read(env, buffers=True) as txn:
             for k, v in txn.cursor():
                 yield fmt.slot_of(bytes(k)), v
     finally:
-        env.close()
+        ENVS.release(env)

@@ -19,7 +19,7 @@ from . import format as fmt
 from .batching import Copier
 from .errors import ClosedError, CorruptDatasetError, NotADatasetError, ReadOnlyError
 from .index import Index
-from .shards import SealedShard, open_tail_for_read
+from .shards import ENVS, SealedShard, open_tail_for_read
 
 MANIFEST = "manifest.json"
 _HEAD_MASK = fmt.MAX_HEAD
@@ -77,7 +77,6 @@ class Store:
         self._pid = os.getpid()
         self._sealed: dict[str, SealedShard] = {}
         self._tail_env: Any = None
-        self._fork_leftovers: list[Any] = []
         self._closed = False
         self._plans: dict[bytes, fmt.Plan] = {}
         self._copier = Copier(copy_threads)
@@ -106,8 +105,8 @@ class Store:
         self.manifest = m
         self._entries = m["shards"]
         self._shard_handles: list[SealedShard | None] = [self._sealed.get(s["sha256"]) for s in self._entries]
-        if self._tail_env is not None and old_tail != m["tail"] and self._writer is None:
-            self._tail_env.close()
+        if self._tail_env is not None and old_tail != m["tail"]:
+            ENVS.release(self._tail_env)
             self._tail_env = None
 
     def refresh(self) -> bool:
@@ -127,8 +126,11 @@ class Store:
                 self._writer.close(commit=True)
         finally:
             self._closed = True
-            if self._tail_env is not None and self._writer is None and os.getpid() == self._pid:
-                self._tail_env.close()
+            if os.getpid() == self._pid:
+                if self._tail_env is not None:
+                    ENVS.release(self._tail_env)
+                for h in self._sealed.values():
+                    h.close()
             self._tail_env = None
             self._sealed.clear()
             self._shard_handles = []
@@ -165,12 +167,10 @@ class Store:
             self._after_fork()
 
     def _after_fork(self) -> None:
-        # LMDB handles must not be used or closed in a child; keep them referenced so
-        # their destructor never runs here. Memory maps stay valid across fork.
-        self._fork_leftovers.append(self._tail_env)
+        # LMDB handles must not be used or closed in a child (the registry keeps the
+        # parent's alive); memory maps stay valid across fork.
         self._tail_env = None
         for h in self._sealed.values():
-            self._fork_leftovers.append(h._env)
             h._env = None
         self._pid = os.getpid()
 
@@ -234,12 +234,16 @@ class Store:
         if len(where):
             sh = shard if all_sealed else shard[where]
             r = self._index.records[rec if all_sealed else rec[where]]
+            unknown = r["offset"] == fmt.UNKNOWN_OFFSET
+            if unknown.any():  # shards sealed where offsets could not be learned: read through LMDB
+                for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
+                    out[j] = self._decode_value(self._open_sealed(s).lmdb_value(sl), copy)
+                where, sh, r = where[~unknown], sh[~unknown], r[~unknown]
             hk = r["head_kind"]
             ends = r["offset"].astype(np.int64) + (hk & _HEAD_MASK) + r["size"]
             if (ends > self._index.shard_bytes[sh]).any():
                 raise CorruptDatasetError(f"{self.root}: side-index offsets run past a shard's end; run `kvdata reindex`")
             handles = self._shard_handles
-            unknown = r["offset"] == fmt.UNKNOWN_OFFSET
             plans = self._plans
             unpack = fmt.PREFIX.unpack_from
             decode = fmt.decode_plan
@@ -255,9 +259,6 @@ class Store:
                     lb = h.mm[a:a + unpack(h.mv, off)[5]]
                     plan = plans.get(lb) or self._plan(lb)
                     out[j] = decode(plan, h.u8, h.mv, off + head, copy)
-            if unknown.any():
-                for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
-                    out[j] = self._decode_value(self._open_sealed(s).lmdb_value(sl), copy)
         if not all_sealed:
             tail_at = np.nonzero(~sealed)[0]
             for j, v in zip(tail_at.tolist(), self._tail_values(slot[tail_at].tolist())):
@@ -285,7 +286,7 @@ class Store:
         if h.kind == fmt.KIND_RAW:
             return bytes(v[h.head:]) if copy else memoryview(v)[h.head:]
         plan = self._plan(bytes(v[fmt.PREFIX_SIZE:fmt.PREFIX_SIZE + h.layout_len]))
-        return fmt.decode_plan(plan, np.frombuffer(v, np.uint8), memoryview(v), h.head, False)
+        return fmt.decode_plan(plan, np.frombuffer(v, np.uint8), memoryview(v), h.head, copy)
 
     def _open_sealed(self, shard_id: int) -> SealedShard:
         entry = self._entries[shard_id]
@@ -304,7 +305,7 @@ class Store:
             h = self._open_sealed_fallback()
             return [h.lmdb_value(s) for s in slots]
         out = []
-        with env.begin() as txn:
+        with ENVS.read(env) as txn:
             for s in slots:
                 v = txn.get(fmt.slot_key(s))
                 if v is None:
@@ -316,7 +317,7 @@ class Store:
         if self._tail_env is None:
             path = self.root / "shards" / self.manifest["tail"]["name"]
             try:
-                self._tail_env = open_tail_for_read(path)
+                self._tail_env = open_tail_for_read(path, int(self.manifest["shard_size"]))
             except FileNotFoundError:
                 return None
         return self._tail_env
@@ -478,6 +479,10 @@ def _describe(v: Any) -> dict[str, Any]:
 
 
 def open_store(path: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str = "256MB",
-               compress: bool = True) -> Store:
-    """Open a dataset: "r" reads, "a" appends (creating it if missing), "w" starts it empty."""
-    return Store(path, mode, shard_size=shard_size, compress=compress)
+               compress: bool = True, copy_threads: int | None = None) -> Store:
+    """Open a dataset: "r" reads, "a" appends (creating it if missing), "w" starts it empty.
+
+    copy_threads: threads that assemble large batches in get_batch (default: up to 4
+    cores; use 1 inside worker processes).
+    """
+    return Store(path, mode, shard_size=shard_size, compress=compress, copy_threads=copy_threads)

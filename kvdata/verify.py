@@ -100,7 +100,7 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
             if not tail_path.exists():
                 bad_shards.append({"shard": tail["name"], "problem": "missing"})
             else:
-                for slot, v in iter_lmdb_records(tail_path, tail=True):
+                for slot, v in iter_lmdb_records(tail_path, tail=True, shard_size=int(m["shard_size"])):
                     if slot >= int(tail["records"]):
                         break
                     key, problem = _check_record(v)

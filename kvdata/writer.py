@@ -24,7 +24,7 @@ from . import format as fmt
 from . import index as ix
 from .errors import ClosedError, CommitError, CorruptDatasetError, NotADatasetError, RecordTooLargeError, WriterLockedError
 from .fsutil import atomic_write, fsync_dir, unlink_quiet
-from .shards import open_tail_for_write, seal, truncate_tail
+from .shards import ENVS, open_tail_for_write, seal, truncate_tail
 from .sizes import parse_size
 
 LOCK = ".lock"
@@ -151,16 +151,14 @@ class Writer:
 
     def _close_envs(self, abort: bool) -> None:
         if self.txn is not None:
+            ENVS.mark_busy(self.env, -1)
             try:
                 self.txn.abort() if abort else self.txn.commit()
             except lmdb.Error:
                 pass
             self.txn = None
         for e in list(self._old_envs.values()) + ([self.env] if self.env is not None else []):
-            try:
-                e.close()
-            except lmdb.Error:
-                pass
+            ENVS.release(e)
         self._old_envs.clear()
         self.env = None
 
@@ -271,6 +269,7 @@ class Writer:
             self._seal()
         if self.txn is None:
             self.txn = self.env.begin(write=True)
+            ENVS.mark_busy(self.env, 1)
         slot = self.tail_slots
         try:
             self.txn.put(fmt.slot_key(slot), rec, append=True)
@@ -288,6 +287,7 @@ class Writer:
     def _flush_txn(self) -> None:
         if self.txn is not None:
             txn, self.txn = self.txn, None
+            ENVS.mark_busy(self.env, -1)
             txn.commit()
         self.txn_bytes = 0
 
@@ -327,7 +327,7 @@ class Writer:
         for name in stale:
             unlink_quiet(self.root / name)
         for tid, env in list(self._old_envs.items()):
-            env.close()
+            ENVS.release(env)
             unlink_quiet(self.root / "shards" / fmt.tail_name(tid))
             unlink_quiet(self.root / "shards" / (fmt.tail_name(tid) + "-lock"))
         self._old_envs.clear()
