@@ -177,6 +177,7 @@ def rm(dataset: str, keys: tuple[str, ...]) -> None:
     """Delete records by key (all or none: a missing key changes nothing)."""
     from .store import open_store
 
+    keys = tuple(dict.fromkeys(keys))  # a key named twice is deleted once
     with open_store(dataset) as reader:
         missing = [k for k in keys if k not in reader]
     if missing:

@@ -95,6 +95,7 @@ def run_demo(workdir: str | None, keep: bool = False, as_json: bool = False) -> 
     tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvdata-demo-"))
     tmp.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
+    made = [tmp / f"{name}{ext}" for name in ("digits", "photos") for ext in (".kv", ".memmap")]
     try:
         digits, digit_labels, photos = _real_images()
         crops, crop_labels = _crops(photos, N_CROPS, rng)
@@ -118,8 +119,11 @@ def run_demo(workdir: str | None, keep: bool = False, as_json: bool = False) -> 
             _print_table(summary, keep)
         return summary
     finally:
-        if not keep and not workdir:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not keep:
+            for p in made:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            if not workdir:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _print_table(summary: dict[str, Any], keep: bool) -> None:
