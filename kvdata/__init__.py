@@ -12,9 +12,23 @@ from typing import Any
 from .errors import KVDataError
 from .store import Store, open_store as open
 
-__all__ = ["open", "Store", "KVDataError", "__version__"]
+__all__ = ["open", "Store", "KVDataError", "Dataset", "ShardShuffleSampler", "collate", "BatchReader",
+           "__version__"]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Dataset": ("dataset", "Dataset"),
+    "collate": ("dataset", "collate"),
+    "ShardShuffleSampler": ("sampler", "ShardShuffleSampler"),
+    "BatchReader": ("batch", "BatchReader"),
+}
 
 
 def __getattr__(name: str) -> Any:
+    """Load the torch-based names on first use, so `import kvdata` never imports torch."""
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
     raise AttributeError(f"module 'kvdata' has no attribute {name!r}")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
+
+Alloc = Callable[[tuple, np.dtype], np.ndarray]
 
 
 def stack(samples: Sequence[Any]) -> Any:
@@ -67,15 +69,18 @@ class Copier:
             self._pid = os.getpid()
         return self._pool
 
-    def stack_arrays(self, arrays: Sequence[np.ndarray], out: np.ndarray | None = None) -> Any:
+    def stack_arrays(self, arrays: Sequence[np.ndarray], out: np.ndarray | None = None,
+                     alloc: Alloc | None = None) -> Any:
         a0 = arrays[0]
         n = len(arrays)
-        if self.threads == 1 or a0.nbytes * n < self.min_bytes:
-            return stack_arrays(arrays, out)
         if any(a.shape != a0.shape or a.dtype != a0.dtype for a in arrays):
             return list(arrays)
         if out is None:
-            out = np.empty((n,) + a0.shape, dtype=a0.dtype)
+            out = (alloc or np.empty)((n,) + a0.shape, a0.dtype)
+        if self.threads == 1 or a0.nbytes * n < self.min_bytes:
+            for i, a in enumerate(arrays):
+                out[i] = a
+            return out
         step = -(-n // self.threads)
 
         def part(lo: int) -> None:
@@ -85,14 +90,15 @@ class Copier:
         list(self._executor().map(part, range(0, n, step)))
         return out
 
-    def stack(self, samples: Sequence[Any]) -> Any:
-        """Like stack(), with array fields assembled by stack_arrays above."""
+    def stack(self, samples: Sequence[Any], alloc: Alloc | None = None) -> Any:
+        """Like stack(), with array fields assembled by stack_arrays above (into
+        arrays from `alloc(shape, dtype)` if given, e.g. shared memory)."""
         if not samples or not isinstance(samples[0], dict):
             return stack(samples)
         out = {}
         for name, v in samples[0].items():
             if isinstance(v, np.ndarray):
-                out[name] = self.stack_arrays([s[name] for s in samples])
+                out[name] = self.stack_arrays([s[name] for s in samples], alloc=alloc)
             elif isinstance(v, (bool, int, float)):
                 out[name] = np.array([s[name] for s in samples])
             else:

@@ -105,6 +105,8 @@ class Writer:
         self.m = m
         self.shard_size = int(m["shard_size"])
         self.compress = bool(m["compress"])
+        for p in self.root.glob("manifest.json.tmp*"):  # a writer killed while replacing the manifest
+            unlink_quiet(p)
         keep_shards = {s["name"] for s in m["shards"]} | {s["zst"]["name"] for s in m["shards"] if s.get("zst")}
         tail = m["tail"]["name"]
         keep_shards |= {tail, tail + "-lock"}
