@@ -90,6 +90,17 @@ class Copier:
         list(self._executor().map(part, range(0, n, step)))
         return out
 
+    def run_parts(self, fn: Callable[[int, int], None], n: int, nbytes: int) -> None:
+        """Run fn(lo, hi) over [0, n) in up to `threads` parts (inline when small);
+        fn must only do GIL-releasing numpy work on disjoint rows to gain."""
+        if self.threads == 1 or nbytes < self.min_bytes or n < 2:
+            fn(0, n)
+            return
+        step = -(-n // self.threads)
+        futures = [self._executor().submit(fn, lo, min(n, lo + step)) for lo in range(0, n, step)]
+        for f in futures:
+            f.result()
+
     def stack(self, samples: Sequence[Any], alloc: Alloc | None = None) -> Any:
         """Like stack(), with array fields assembled by stack_arrays above (into
         arrays from `alloc(shape, dtype)` if given, e.g. shared memory)."""

@@ -66,8 +66,13 @@ def shard_permutation(groups: ShardGroups, seed: int, epoch: int) -> np.ndarray:
     return _rng(seed, epoch).permutation(len(groups.shard_ids))
 
 
-def epoch_order(groups: ShardGroups, seed: int, epoch: int, window: int = 8, shuffle: bool = True) -> np.ndarray:
-    """Every sample index once, in this epoch's order (before splitting across ranks)."""
+def epoch_order(groups: ShardGroups, seed: int, epoch: int, window: int = 8, shuffle: bool = True,
+                inner: bool = True) -> np.ndarray:
+    """Every sample index once, in this epoch's order (before splitting across ranks).
+
+    inner=False keeps samples in stored order within each shard (only the shard order
+    changes): BatchReader's per-epoch reshuffle of a sequential cursor.
+    """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     n = groups.num_samples
@@ -79,6 +84,8 @@ def epoch_order(groups: ShardGroups, seed: int, epoch: int, window: int = 8, shu
     # concatenate the runs of by_shard in permuted shard order, without a Python loop
     offsets = np.repeat(groups.starts[perm] - (ends - lengths), lengths)
     order = groups.by_shard[np.arange(n, dtype=np.int64) + offsets]
+    if not inner:
+        return order
     rng = _rng(seed, epoch, 1)
     bounds = np.concatenate([[0], ends[window - 1::window]])
     if bounds[-1] != n:

@@ -1,0 +1,190 @@
+"""kvdata.Dataset under real DataLoader workers (fork and spawn) and the BatchReader thread."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import kvdata
+from kvdata.errors import KVDataError
+
+N = 300
+SHAPE = (24, 16, 3)
+
+
+def image(i: int) -> np.ndarray:
+    return (np.arange(np.prod(SHAPE), dtype=np.uint32).reshape(SHAPE) + i).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def dataset_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("loader") / "ds.kv"
+    with kvdata.open(p, "w", shard_size="64KB") as s:
+        s.put_many((f"k{i:04d}", {"image": image(i), "label": i, "name": f"n{i}"}) for i in range(N))
+        s.seal()
+    return p
+
+
+def check_batch(b: dict) -> list[int]:
+    labels = b["label"].tolist()
+    for row, i in zip(b["image"], labels):
+        np.testing.assert_array_equal(np.asarray(row), image(i))
+    return labels
+
+
+def epoch_labels(loader: DataLoader) -> list[int]:
+    seen: list[int] = []
+    for b in loader:
+        seen += check_batch(b)
+    return seen
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("collate", ["kvdata", "default"])
+def test_two_workers_see_every_sample_once(dataset_path: Path, context: str, collate: str) -> None:
+    ds = kvdata.Dataset(dataset_path)
+    sampler = kvdata.ShardShuffleSampler(ds, seed=5, window=2)
+    loader = DataLoader(ds, batch_size=32, sampler=sampler, num_workers=2, multiprocessing_context=context,
+                        collate_fn=kvdata.collate if collate == "kvdata" else None,
+                        persistent_workers=True, pin_memory=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "non-writable NumPy array" warning
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            seen = epoch_labels(loader)
+            assert sorted(seen) == list(range(N)), f"epoch {epoch}: a sample was lost or repeated"
+    first = list(sampler.indices(0))
+    assert first != list(sampler.indices(1))
+
+
+def test_num_workers_zero_and_pin_memory(dataset_path: Path) -> None:
+    ds = kvdata.Dataset(dataset_path, fields=["image", "label"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")  # CPU-only torch has no pinned memory
+        loader = DataLoader(ds, batch_size=50, shuffle=True, num_workers=0, pin_memory=True,
+                            collate_fn=kvdata.collate)
+        batches = list(loader)
+    assert set(batches[0]) == {"image", "label"}
+    assert sorted(sum((check_batch(b) for b in batches), [])) == list(range(N))
+
+
+def test_samples_and_default_collate(dataset_path: Path) -> None:
+    ds = kvdata.Dataset(dataset_path)
+    s = ds[7]
+    assert s["label"] == 7 and s["name"] == "n7" and s["image"].flags.writeable
+    np.testing.assert_array_equal(s["image"], image(7))
+    items = ds.__getitems__([3, 1])
+    assert items[0]["image"].flags.writeable and items[1]["label"] == 1
+    b = torch.utils.data.default_collate(items)
+    assert b["image"].shape == (2, *SHAPE) and b["label"].tolist() == [3, 1] and b["name"] == ["n3", "n1"]
+    fast = kvdata.collate(items)
+    assert torch.equal(fast["image"], b["image"]) and fast["label"].tolist() == [3, 1]
+
+
+def test_transform_gets_views_and_collate_stacks(dataset_path: Path) -> None:
+    def flip(sample: dict) -> dict:
+        return {"image": sample["image"][:, ::-1], "label": sample["label"]}
+
+    ds = kvdata.Dataset(dataset_path, transform=flip)
+    loader = DataLoader(ds, batch_size=16, num_workers=0, collate_fn=kvdata.collate)
+    b = next(iter(loader))
+    assert b["image"].shape == (16, *SHAPE)
+    np.testing.assert_array_equal(b["image"][3].numpy(), image(3)[:, ::-1])
+
+
+def test_dataset_pickles_without_handles(dataset_path: Path) -> None:
+    ds = kvdata.Dataset(dataset_path)
+    ds[0]
+    blob = pickle.dumps(ds)
+    assert len(blob) < 2000
+    clone = pickle.loads(blob)
+    assert clone._store is None and len(clone) == N and clone[5]["label"] == 5
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def _collate_with_rss(samples: list) -> tuple:
+    return kvdata.collate(samples)["label"], _rss_anon()
+
+
+def test_worker_anonymous_memory_does_not_grow(tmp_path: Path) -> None:
+    p = tmp_path / "big.kv"
+    n, shape = 1200, (128, 128, 3)  # 59 MB of samples, 12x the worker's 4.9 MB of batch buffers
+    with kvdata.open(p, "w", shard_size="4MB") as s:
+        s.put_many((f"k{i}", {"image": np.full(shape, i % 256, np.uint8), "label": i}) for i in range(n))
+        s.seal()
+    ds = kvdata.Dataset(p)
+    loader = DataLoader(ds, batch_size=100, sampler=kvdata.ShardShuffleSampler(ds, seed=1), num_workers=1,
+                        collate_fn=_collate_with_rss, prefetch_factor=2)
+    rss = []
+    seen = []
+    for labels, r in loader:
+        rss.append(r)
+        seen += labels.tolist()
+    assert sorted(seen) == list(range(n))
+    growth = max(rss[1:]) - rss[1]
+    assert growth < 16 << 20, f"worker RssAnon grew by {growth / 2**20:.1f} MiB over the epoch"
+
+
+def test_batch_reader_threads_and_errors(dataset_path: Path, tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    with kvdata.BatchReader(str(dataset_path), batch_size=64, prefetch=2) as r:
+        x, y = next(r)
+        assert x.shape == (64, SHAPE[2], SHAPE[0], SHAPE[1]) and y.tolist() == list(range(64))
+        np.testing.assert_array_equal(x[5], image(5).transpose(2, 0, 1))
+    assert set(threading.enumerate()) == before, "BatchReader left a thread running"
+    r = kvdata.BatchReader(str(dataset_path), batch_size=64)
+    next(r)
+    r.close()
+    r.close()
+    assert set(threading.enumerate()) == before
+    with pytest.raises(StopIteration):
+        next(r)
+
+    bad = tmp_path / "mixed.kv"
+    with kvdata.open(bad, "w") as s:
+        s.put_many((f"k{i}", {"image": np.zeros((8, 8, 3) if i < 20 else (9, 8, 3), np.uint8), "label": i})
+                   for i in range(40))
+    r = kvdata.BatchReader(str(bad), batch_size=30)
+    with pytest.raises(KVDataError, match="shape"):
+        next(r)
+    r.close()
+    assert set(threading.enumerate()) == before
+
+
+def test_batch_reader_epochs_striding_and_transforms(dataset_path: Path) -> None:
+    with kvdata.BatchReader(str(dataset_path), batch_size=100, rank=1, world_size=3) as r:
+        labels = np.concatenate([next(r)[1] for _ in range(3)])
+        assert labels[:5].tolist() == [1, 4, 7, 10, 13] and r.epoch == 3
+        assert set(labels.tolist()) == set(range(1, N, 3))
+    with kvdata.BatchReader(str(dataset_path), batch_size=50, crop_size=8, mean=[10, 20, 30], scale=0.5,
+                            train=False) as r:
+        x, y = next(r)
+        expect = (image(0)[8:16, 4:12].transpose(2, 0, 1).astype(np.float32)
+                  - np.array([10, 20, 30], np.float32)[:, None, None]) * 0.5
+        assert x.dtype == np.float32 and x.shape == (50, 3, 8, 8)
+        np.testing.assert_allclose(x[0], expect)
+    with kvdata.BatchReader(str(dataset_path), batch_size=50, crop_size=8, mirror=True, seed=1) as r:
+        x, _ = next(r)
+        assert x.shape == (50, 3, 8, 8)
+    with kvdata.BatchReader(str(dataset_path), batch_size=60, shuffle_shards=True, seed=2) as r:
+        e0 = np.concatenate([next(r)[1] for _ in range(5)])
+        e1 = np.concatenate([next(r)[1] for _ in range(5)])
+    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(N))
+    assert e0.tolist() != e1.tolist() and e0.tolist() != list(range(N))
+    with kvdata.BatchReader(str(dataset_path), batch_size=10, transform=lambda x, y: (x.sum(), y)) as r:
+        total, y = next(r)
+        assert int(total) == int(sum(image(i).astype(np.int64).sum() for i in range(10)))
