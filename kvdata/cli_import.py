@@ -1,4 +1,4 @@
-"""`kvdata import folder|listfile` and `kvdata demo`: commands that build datasets."""
+"""`kvdata import folder|listfile|caffe` and `kvdata demo`: commands that build datasets."""
 
 from __future__ import annotations
 
@@ -76,6 +76,21 @@ def register(main: click.Group) -> None:
 
         _report(run(listfile, dataset, root=root, decode=decode, resize=_parse_resize(resize), shuffle=shuffle,
                     seed=seed, workers=workers, shard_size=shard_size, compress=not no_compress), as_json)
+
+    @import_.command("caffe")
+    @click.argument("src_lmdb", metavar="SRC_LMDB", type=click.Path(exists=True))
+    @click.argument("dataset", type=click.Path())
+    @click.option("--keep-encoded", is_flag=True, help="Store encoded records' JPEG/PNG bytes as is (field 'encoded').")
+    @click.option("--shard-size", default="256MB", show_default=True, help="Seal shards at this size.")
+    @click.option("--no-compress", is_flag=True, help="Do not write .mdb.zst copies of sealed shards.")
+    @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+    def import_caffe(src_lmdb: str, dataset: str, keep_encoded: bool, shard_size: str, no_compress: bool,
+                     as_json: bool) -> None:
+        """Caffe LMDB of Datum records (convert_imageset): keys, order and labels kept; images HWC."""
+        from .caffe import import_caffe as run
+
+        _report(run(src_lmdb, dataset, keep_encoded=keep_encoded, shard_size=shard_size,
+                    compress=not no_compress), as_json)
 
     @main.command()
     @click.option("--dir", "workdir", type=click.Path(file_okay=False), help="Where to build (default: a temp dir).")
