@@ -92,7 +92,7 @@ def _build_datum_class() -> type:
 # ---------------------------------------------------------------- public entry point
 
 def import_caffe(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, keep_encoded: bool = False,
-                 shard_size: int | str = "256MB", compress: bool = True,
+                 shard_size: int | str | None = None, compress: bool = True,
                  progress: bool | None = None) -> dict[str, Any]:
     """Import every `Datum` record of the Caffe LMDB `src` (a directory holding data.mdb, or
     the data file itself) into `dataset`, keeping keys, key order and labels.
@@ -101,7 +101,8 @@ def import_caffe(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *
     distinct labels as "classes"; the dataset's class names are left as they are.
     """
     started = time.perf_counter()
-    parse_size(shard_size, "shard_size")
+    if shard_size is not None:
+        parse_size(shard_size, "shard_size")
     datum_type = datum_class()
     path = Path(src)
     env = _open_source(path)

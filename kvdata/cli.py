@@ -21,7 +21,23 @@ EXIT_ERROR = 1
 
 
 class KVDataGroup(click.Group):
-    """A click group that turns kvdata and OS errors into one-line messages."""
+    """A click group that turns kvdata, OS and usage errors into one-line messages."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            rv = super().main(*args, **kwargs)
+        except click.UsageError as e:  # bad option value, missing argument: one line, exit 2
+            hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+            click.echo(f"kvdata: error: {e.format_message()}{hint}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            click.echo(f"kvdata: error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("kvdata: aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -103,7 +119,7 @@ def put(dataset: str, paths: tuple[str, ...], key: str | None, label: int | None
     items = _walk_inputs(paths, key)
     for k, _f in items:
         check_key(k)
-    size = _size_option(shard_size) or "256MB"
+    size = _size_option(shard_size)
     n = 0
     with open_store(dataset, "a", shard_size=size) as store:
         with progress(len(items), "put") as bar:

@@ -9,6 +9,18 @@ import click
 from .errors import ConfigError
 
 
+def _check_size(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Validate --shard-size up front, naming the option as the user typed it."""
+    if value is not None:
+        from .sizes import parse_size
+
+        try:
+            parse_size(value, "--shard-size")
+        except ConfigError as e:
+            raise click.BadParameter(str(e).split(": ", 1)[-1]) from None
+    return value
+
+
 def _parse_resize(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -24,7 +36,8 @@ def _parse_resize(value: str | None) -> tuple[int, int] | None:
 def _common(f: Any) -> Any:
     f = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")(f)
     f = click.option("--no-compress", is_flag=True, help="Do not write .mdb.zst copies of sealed shards.")(f)
-    f = click.option("--shard-size", default="256MB", show_default=True, help="Seal shards at this size.")(f)
+    f = click.option("--shard-size", callback=_check_size,
+                     help="Seal shards at this size (default: 256MB for a new dataset, else the dataset's own).")(f)
     f = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Processes that read and decode images (0: in-process).")(f)
     f = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the shuffled write order.")(f)
@@ -81,7 +94,8 @@ def register(main: click.Group) -> None:
     @click.argument("src_lmdb", metavar="SRC_LMDB", type=click.Path(exists=True))
     @click.argument("dataset", type=click.Path())
     @click.option("--keep-encoded", is_flag=True, help="Store encoded records' JPEG/PNG bytes as is (field 'encoded').")
-    @click.option("--shard-size", default="256MB", show_default=True, help="Seal shards at this size.")
+    @click.option("--shard-size", callback=_check_size,
+                     help="Seal shards at this size (default: 256MB for a new dataset, else the dataset's own).")
     @click.option("--no-compress", is_flag=True, help="Do not write .mdb.zst copies of sealed shards.")
     @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
     def import_caffe(src_lmdb: str, dataset: str, keep_encoded: bool, shard_size: str, no_compress: bool,

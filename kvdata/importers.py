@@ -47,7 +47,7 @@ class Options(NamedTuple):
 
 def import_folder(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, decode: str = "none",
                   resize: tuple[int, int] | None = None, shuffle: bool = True, seed: int = 0, workers: int = 0,
-                  shard_size: int | str = "256MB", compress: bool = True, progress: bool | None = None) -> dict[str, Any]:
+                  shard_size: int | str | None = None, compress: bool = True, progress: bool | None = None) -> dict[str, Any]:
     """Import every image under `src` (ImageFolder layout: src/<class>/.../<file>) into `dataset`.
 
     The label of a file is the index of its top-level directory among the sorted
@@ -70,7 +70,7 @@ def import_folder(src: str | os.PathLike[str], dataset: str | os.PathLike[str], 
 
 def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike[str], *,
                     root: str | os.PathLike[str], decode: str = "none", resize: tuple[int, int] | None = None,
-                    shuffle: bool = True, seed: int = 0, workers: int = 0, shard_size: int | str = "256MB",
+                    shuffle: bool = True, seed: int = 0, workers: int = 0, shard_size: int | str | None = None,
                     compress: bool = True, progress: bool | None = None) -> dict[str, Any]:
     """Import the images named by a Caffe list file ("relative/path label" per line) into `dataset`.
 
@@ -205,7 +205,8 @@ def _check_options(decode: str, resize: Any, workers: Any, shard_size: int | str
         resize = (int(w), int(h))
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
         raise ConfigError(f"workers: expected a count >= 0, got {workers!r}")
-    parse_size(shard_size, "shard_size")
+    if shard_size is not None:
+        parse_size(shard_size, "shard_size")
     if decode != "none":
         try:
             import PIL.Image  # noqa: F401

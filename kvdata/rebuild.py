@@ -19,7 +19,7 @@ import numpy as np
 from . import format as fmt
 from . import index as ix
 from .codec import file_sha256
-from .errors import CorruptDatasetError, KVDataError, NotADatasetError
+from .errors import CorruptDatasetError, NotADatasetError
 from .fsutil import atomic_write, fsync_dir, unlink_quiet
 from .progress import progress as make_progress
 from .shards import ENVS, open_sealed_lmdb, open_tail_for_write, scan, truncate_tail
@@ -88,7 +88,7 @@ def reindex(path: str | os.PathLike[str], *, progress: bool | None = None) -> di
 def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
     try:
         m: dict[str, Any] | None = read_manifest(root)
-    except KVDataError:
+    except CorruptDatasetError:  # lost or damaged: rebuild it. A newer format version is not ours to touch.
         m = None
     shards_dir = root / "shards"
     if m is not None:

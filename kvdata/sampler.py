@@ -58,9 +58,12 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning (or, right after load_state_dict of that
+        same epoch, from the saved position)."""
         if epoch != self.epoch:
             self._start = 0
         self.epoch = int(epoch)
+        self._yielded = self._start
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's sample indices for an epoch, in order (numpy, computed once per epoch)."""

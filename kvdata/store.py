@@ -73,7 +73,7 @@ class KeysView:
 class Store:
     """A kvdata dataset. Use kvdata.open() to get one; use it as a context manager."""
 
-    def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str = "256MB",
+    def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
                  compress: bool = True, shard_locator: ShardLocator | None = None,
                  copy_threads: int | None = None, readahead: bool = True) -> None:
         if mode not in ("r", "a", "w"):
@@ -504,9 +504,13 @@ def _describe(v: Any) -> dict[str, Any]:
     return {"type": type(v).__name__, "value": v}
 
 
-def open_store(path: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str = "256MB",
+def open_store(path: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
                compress: bool = True, copy_threads: int | None = None) -> Store:
     """Open a dataset: "r" reads, "a" appends (creating it if missing), "w" starts it empty.
+
+    shard_size: seal shards at this size ("256MB", "1GiB" or bytes); default 256MB for a
+    new dataset, else the dataset's own. A new value applies to shards sealed from now on.
+    A new dataset whose first commit never happens (an error in the `with` block) is removed.
 
     copy_threads: threads that assemble large batches in get_batch (default: up to 4
     cores; use 1 inside worker processes).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -52,7 +53,7 @@ def _lock(root: Path) -> int:
 class Writer:
     """Pending writes of one Store opened with mode a/w."""
 
-    def __init__(self, store: Any, *, shard_size: int | str, compress: bool, reset: bool) -> None:
+    def __init__(self, store: Any, *, shard_size: int | str | None, compress: bool, reset: bool) -> None:
         self.store = store
         self.root: Path = store.root
         if self.root.exists() and not self.root.is_dir():
@@ -60,8 +61,10 @@ class Writer:
         if self.root.exists() and not (self.root / "manifest.json").exists() and not (self.root / "shards").exists() \
                 and any(p.name != LOCK for p in self.root.iterdir()):
             raise NotADatasetError(f"{self.root} exists, is not empty and is not a kvdata dataset; choose another path")
+        fresh_dir = not self.root.exists() or not any(self.root.iterdir())
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = _lock(self.root)
+        self._created = False  # True: this writer made the dataset, so a failed first write removes it
         self.txn: Any = None
         self.env: Any = None
         self._old_envs: dict[int, Any] = {}
@@ -70,10 +73,15 @@ class Writer:
             (self.root / "shards").mkdir(exist_ok=True)
             (self.root / "index").mkdir(exist_ok=True)
             manifest_path = self.root / "manifest.json"
+            requested = None if shard_size is None else parse_size(shard_size, "shard_size")
             if reset or not manifest_path.exists():
-                size = parse_size(shard_size, "shard_size")
-                self._start_empty(size, compress)
+                self._created = fresh_dir and not reset
+                self._start_empty(requested or 256_000_000, compress)
             self._recover()
+            if requested is not None and requested != self.shard_size:
+                self.shard_size = requested  # applies to shards sealed from now on
+                self.m = dict(self.m, shard_size=requested)
+                self.dirty = True
         except BaseException:
             self._unlock()
             raise
@@ -343,8 +351,12 @@ class Writer:
 
     def _failure_message(self, e: BaseException) -> str:
         gen = self.m["generation"]
-        why = "the disk is full" if getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) \
-            or isinstance(e, lmdb.MapFullError) else str(e)
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or isinstance(e, lmdb.MapFullError):
+            why = "the disk is full"
+        elif isinstance(e, lmdb.Error):  # LMDB reports ENOSPC/EFBIG as text, often as a bare I/O error
+            why = f"writing the tail shard failed: {e}; is the disk full?"
+        else:
+            why = str(e)
         return (f"{self.root}: commit failed ({why}); the dataset is unchanged at generation {gen} and the "
                 "writes since the last commit were discarded; free space and write them again")
 
@@ -416,11 +428,16 @@ class Writer:
     def close(self, commit: bool) -> None:
         if self._lock_fd is None:
             return
+        committed = False
         try:
             if commit and not self.failed:
                 self.commit()
+                committed = True
         finally:
             self._close_envs(abort=True)
+            never_written = self._created and int(self.m["generation"]) == 0 and not committed
+            if never_written:
+                shutil.rmtree(self.root, ignore_errors=True)
             self._unlock()
 
     def _unlock(self) -> None:

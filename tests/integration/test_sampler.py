@@ -183,9 +183,6 @@ def test_resume_through_dataloader_batches(ds) -> None:
     assert seen + rest == ref
 
 
-@pytest.mark.xfail(strict=True, reason="set_epoch(e) does not reset the yielded count: state_dict() taken "
-                   "after a finished epoch and set_epoch(next), before the first sample, reports "
-                   "position=len(sampler) for the new epoch, so a resume skips that whole epoch")
 def test_state_dict_right_after_set_epoch(ds) -> None:
     kw = dict(seed=1, window=4)
     ref = epoch(ShardShuffleSampler(ds, **kw), 1)

@@ -1,0 +1,97 @@
+"""Which shards a tier should hold: a pure function of (demands, residency, budget).
+
+Readers announce the shard sequence of their epoch (from the seeded order) and
+how far they have got. A shard's *next use* is its smallest distance ahead of a
+reader's position. A tier should hold the shards with the nearest next use that
+fit its budget (Belady's offline optimum, made online because the future is
+known from the seed); anything else is evicted -- shards nobody will use first,
+then the one needed furthest away -- but never a shard in use. The same function
+serves the in-process engine, the daemon, and bench/staging.py's replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Demand:
+    """One reader's announced shard sequence and where it is in it."""
+
+    sequence: tuple[str, ...]
+    position: int = 0
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    stage: list[str] = field(default_factory=list)   # in the order to fetch them (nearest first)
+    evict: list[str] = field(default_factory=list)   # in the order to drop them
+
+
+def next_uses(demands: Iterable[Demand], lookahead: int | None = None) -> dict[str, int]:
+    """Distance (in shard steps) to each shard's next use over all readers."""
+    out: dict[str, int] = {}
+    for d in demands:
+        end = len(d.sequence) if lookahead is None else min(len(d.sequence), d.position + lookahead)
+        for dist, key in enumerate(d.sequence[d.position:end]):
+            if dist < out.get(key, 1 << 62):
+                out[key] = dist
+    return out
+
+
+def plan_tier(budget: int, sizes: Mapping[str, int], resident: Mapping[str, int], demands: Iterable[Demand],
+              in_use: Iterable[str] = (), need_now: Iterable[str] = (), lookahead: int | None = None) -> TierPlan:
+    """Stage/evict actions that move a tier toward holding the nearest-needed shards.
+
+    `need_now` shards are staged even if nothing can be evicted (a reader is waiting:
+    progress beats the budget by at most those shards, so there is no deadlock).
+    """
+    in_use = set(in_use)
+    need_now = [k for k in need_now if k not in resident]
+    nu = next_uses(demands, lookahead)
+    want: list[str] = []
+    acc = 0
+    for key in sorted(nu, key=lambda k: (nu[k], k)):
+        size = sizes.get(key, 0)
+        if acc + size > budget:
+            break
+        want.append(key)
+        acc += size
+    want_set = set(want)
+    stage = [k for k in need_now] + [k for k in want if k not in resident and k not in need_now]
+    evictable = [k for k in resident if k not in want_set and k not in in_use]
+    evictable.sort(key=lambda k: (-nu.get(k, INF), k))  # never-needed first, then furthest
+    used = sum(resident.values())
+    evict: list[str] = []
+    final_stage: list[str] = []
+    for k in stage:
+        size = sizes.get(k, 0)
+        while used + size > budget and evictable:
+            victim = evictable.pop(0)
+            evict.append(victim)
+            used -= resident[victim]
+        if used + size <= budget or k in need_now:
+            final_stage.append(k)
+            used += size
+        else:
+            break  # the rest would not fit either: nothing more can be evicted
+    return TierPlan(stage=final_stage, evict=evict)
+
+
+def plan_eviction(budget: int, resident: Mapping[str, int], demands: Iterable[Demand], incoming: int,
+                  in_use: Iterable[str] = ()) -> list[str]:
+    """Shards to drop so `incoming` more bytes fit: never-needed first, then furthest next use."""
+    in_use = set(in_use)
+    nu = next_uses(demands)
+    order = sorted((k for k in resident if k not in in_use), key=lambda k: (-nu.get(k, INF), k))
+    used = sum(resident.values())
+    out = []
+    for k in order:
+        if used + incoming <= budget:
+            break
+        out.append(k)
+        used -= resident[k]
+    return out
