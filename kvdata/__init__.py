@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .access import open_dataset as open
 from .errors import KVDataError
-from .store import Store, open_store as open
+from .store import Store
 
 __all__ = ["open", "Store", "KVDataError", "Dataset", "ShardShuffleSampler", "collate", "BatchReader",
            "__version__"]

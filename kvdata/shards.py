@@ -10,6 +10,7 @@ transaction, exactly the cost of an np.memmap slice.
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -267,10 +268,13 @@ def _check_offsets(path: Path, rows: np.ndarray) -> None:
 class SealedShard:
     """A read-only memory map of one sealed shard file, shared by all reads in a process."""
 
-    __slots__ = ("path", "mm", "u8", "mv", "_env")
+    __slots__ = ("path", "mm", "u8", "mv", "_env", "_fd")
 
-    def __init__(self, path: Path, expected_bytes: int) -> None:
+    def __init__(self, path: Path, expected_bytes: int, hold_lock: bool = False) -> None:
+        """hold_lock: keep a shared flock on the file while mapped (staged copies: the
+        engine's eviction takes an exclusive one, so it never removes a shard in use)."""
         self.path = path
+        self._fd: int | None = None
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -278,13 +282,20 @@ class SealedShard:
                 f"shard {path} is missing; restore it (or re-stage it) and run `kvdata verify`"
             ) from None
         try:
+            if hold_lock:
+                fcntl.flock(fd, fcntl.LOCK_SH)
             size = os.fstat(fd).st_size
             if size != expected_bytes:
                 raise CorruptDatasetError(
                     f"shard {path} has {size} bytes, the manifest says {expected_bytes}; restore it and run `kvdata verify`"
                 )
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if hold_lock:
+            self._fd = fd
+        else:
             os.close(fd)
         self.mm = mm
         self.u8 = np.frombuffer(mm, dtype=np.uint8)
@@ -302,10 +313,21 @@ class SealedShard:
         return v
 
     def close(self) -> None:
-        """Give back the LMDB env (the memory map lives on while views of it exist)."""
+        """Give back the LMDB env and the reader lock (the memory map lives on while views of it exist)."""
         if self._env is not None:
             ENVS.release(self._env)
             self._env = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def advise(self, advice: int) -> None:
         """Pass an madvise hint (e.g. MADV_RANDOM) for the whole map."""

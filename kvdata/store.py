@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -31,7 +32,8 @@ _PLAN_CACHE_MAX = 4096
 # the kernel's fault read-around anyway.
 READAHEAD_MIN = 64 << 10
 _PAGE_MASK = ~(mmap.PAGESIZE - 1)
-ShardLocator = Callable[[dict], Path]
+# entry -> (path of a complete copy, whether it is a staged copy to hold a reader lock on)
+ShardLocator = Callable[[dict], "tuple[Path, bool]"]
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
@@ -75,19 +77,26 @@ class Store:
 
     def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
                  compress: bool = True, shard_locator: ShardLocator | None = None,
-                 copy_threads: int | None = None, readahead: bool = True) -> None:
+                 copy_threads: int | None = None, readahead: bool = True, max_open_shards: int = 16) -> None:
         if mode not in ("r", "a", "w"):
             raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
         self.root = Path(root)
         self.mode = mode
         self._locator = shard_locator
         self._pid = os.getpid()
-        self._sealed: dict[str, SealedShard] = {}
+        self._sealed: OrderedDict[str, SealedShard] = OrderedDict()  # sha -> handle, least recent first
+        self._sealed_ids: dict[str, int] = {}
+        # With staged copies, a mapped shard holds a reader lock that keeps it from eviction:
+        # keep only the most recently used few mapped, so tiers can turn over.
+        self._max_open = max_open_shards if shard_locator is not None else None
         self._tail_env: Any = None
         self._closed = False
         self._plans: dict[bytes, fmt.Plan] = {}
         self._copier = Copier(copy_threads)
         self._readahead = readahead
+        self._closers: list[Callable[[], None]] = []
+        self.home: Any = None     # set by kvdata.access when shards come through a staging engine
+        self.engine: Any = None
         self._writer: Any = None
         if mode == "r":
             self._load()
@@ -117,6 +126,10 @@ class Store:
             ENVS.release(self._tail_env)
             self._tail_env = None
 
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call fn when the store closes (owners of engines and homes use it)."""
+        self._closers.append(fn)
+
     def refresh(self) -> bool:
         """Move a reader to the newest committed generation; True if it changed."""
         self._check_open()
@@ -143,6 +156,9 @@ class Store:
             self._sealed.clear()
             self._shard_handles = []
             self._copier.close()
+            closers, self._closers = self._closers, []
+            for fn in closers:
+                fn()
 
     def __enter__(self) -> "Store":
         return self
@@ -254,6 +270,8 @@ class Store:
             handles = self._shard_handles
             if self._readahead:
                 self._advise_willneed(sh, r, hk)
+            if self._max_open is not None:
+                self._touch(np.unique(sh).tolist())
             plans = self._plans
             unpack = fmt.PREFIX.unpack_from
             decode = fmt.decode_plan
@@ -300,6 +318,19 @@ class Store:
             recs = [{f: r[f] for f in fields} for r in recs]
         return self._copier.stack(recs, alloc)
 
+    def _touch(self, shard_ids: list[int]) -> None:
+        """Mark shards as just used, and unmap the least recently used beyond max_open_shards
+        (their memory stays valid for views already handed out; only the lock is dropped)."""
+        for s in shard_ids:
+            h = self._shard_handles[s] or self._open_sealed(s)
+            self._sealed.move_to_end(self._entries[s]["sha256"])
+        while self._max_open is not None and len(self._sealed) > max(self._max_open, len(shard_ids)):
+            sha, old = self._sealed.popitem(last=False)
+            sid = self._sealed_ids.pop(sha, None)
+            if sid is not None and sid < len(self._shard_handles):
+                self._shard_handles[sid] = None
+            old.close()
+
     def _plan(self, layout_bytes: bytes) -> fmt.Plan:
         """Decoding plan of a layout, cached: records of equal shapes share one."""
         if len(self._plans) >= _PLAN_CACHE_MAX:
@@ -318,9 +349,9 @@ class Store:
         entry = self._entries[shard_id]
         h = self._sealed.get(entry["sha256"])
         if h is None:
-            path = self._locator(entry) if self._locator else self.root / "shards" / entry["name"]
-            h = SealedShard(path, int(entry["bytes"]))
+            h = self._map_shard(entry)
             self._sealed[entry["sha256"]] = h
+        self._sealed_ids[entry["sha256"]] = shard_id
         self._shard_handles[shard_id] = h
         return h
 
@@ -348,13 +379,25 @@ class Store:
                 return None
         return self._tail_env
 
+    def _map_shard(self, entry: dict) -> SealedShard:
+        """Map the fastest complete copy; if a staged copy vanishes before we map it, look again."""
+        if self._locator is None:
+            return SealedShard(self.root / "shards" / entry["name"], int(entry["bytes"]))
+        for attempt in range(3):
+            path, staged = self._locator(entry)
+            try:
+                return SealedShard(path, int(entry["bytes"]), hold_lock=staged)
+            except MissingShardError:
+                if not staged or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     def _open_sealed_fallback(self) -> SealedShard:
         tid = self.manifest["tail"]["id"]
         current = read_manifest(self.root)
         for e in current["shards"]:
             if e["id"] == tid:
-                path = self._locator(e) if self._locator else self.root / "shards" / e["name"]
-                return SealedShard(path, int(e["bytes"]))
+                return self._map_shard(e)
         raise CorruptDatasetError(f"{self.root}: tail shard {self.manifest['tail']['name']} is missing; run `kvdata reindex`")
 
     def _metas(self, positions: Any) -> list[tuple[int, dict]]:

@@ -1,0 +1,177 @@
+"""Opening a dataset wherever it lives, and pushing one to a remote home.
+
+`open_dataset(location)` is what `kvdata.open`, `kvdata.Dataset` and the CLI call:
+- a local path with no tier config: the Store reads it in place (embedded default);
+- a local path with tiers configured: sealed shards are served from the fastest
+  tier holding a verified copy, staged from the path on demand or ahead of time;
+- s3:// or http(s)://: the manifest and index are mirrored (verified) into the
+  cache, and shards are staged into the tiers.
+
+A remote home holds: manifest.json (written last by push), index files trimmed to
+their committed rows with sha256s in the manifest, and sealed shards as .mdb.zst.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from . import format as fmt
+from .codec import compress_file, file_sha256
+from .config import Config, load_config
+from .errors import CorruptDatasetError, KVDataError, ReadOnlyError
+from .fsutil import atomic_write
+from .progress import progress as make_progress
+from .remote import Home, RemoteError, is_url, open_home
+from .store import Store
+from .tiers import Engine
+
+INDEX_DTYPES = {"samples": fmt.SAMPLE_DTYPE, "records": fmt.RECORD_DTYPE}
+
+
+def cache_root(config: Config) -> Path:
+    """Where mirrored manifests/indexes of remote datasets live: the largest (last) tier."""
+    return config.tiers[-1].path / "datasets"
+
+
+def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
+                 compress: bool = True, copy_threads: int | None = None, config: Config | None = None,
+                 engine: Engine | None = None) -> Store:
+    """Open a dataset by path or URL (see module docstring)."""
+    loc = str(location)
+    if mode != "r":
+        if is_url(loc):
+            raise ReadOnlyError(f"{loc}: remote datasets are read-only here; write a local one and `kvdata push` it")
+        return Store(loc, mode, shard_size=shard_size, compress=compress, copy_threads=copy_threads)
+    cfg = config if config is not None else load_config()
+    if not is_url(loc) and not cfg.stage_local and engine is None:
+        return Store(loc, "r", copy_threads=copy_threads)
+    home = open_home(loc)
+    own_engine = engine is None
+    eng = engine if engine is not None else Engine(cfg)
+    try:
+        root = mirror(home, cache_root(cfg)) if is_url(loc) else Path(loc)
+        store = Store(root, "r", copy_threads=copy_threads, shard_locator=lambda e: eng.locate(home, e))
+    except BaseException:
+        if own_engine:
+            eng.close()
+        raise
+    try:
+        eng.check_budgets(store.manifest["shards"])
+    except BaseException:
+        store.close()
+        if own_engine:
+            eng.close()
+        raise
+    store.home, store.engine = home, eng
+    if own_engine:
+        store.on_close(eng.close)
+    store.on_close(home.close)
+    return store
+
+
+def mirror(home: Home, root: Path) -> Path:
+    """Local copy of a remote dataset's manifest and index (content-checked); its directory."""
+    local = root / hashlib.sha256(home.url.encode()).hexdigest()[:24]
+    (local / "index").mkdir(parents=True, exist_ok=True)
+    data = home.read("manifest.json")
+    m = fmt.parse_manifest(data, home.where("manifest.json"))
+    if int(m["tail"]["records"]):
+        raise CorruptDatasetError(f"{home.where('manifest.json')}: the dataset has unsealed records; push it again")
+    sums = m.get("index_sha256") or {}
+    idx = m["index"]
+    names = [n for n in (idx["samples"], idx["records"]) if n] + [r["name"] for r in idx["keys"]]
+    for name in names:
+        dest = local / "index" / name
+        want = sums.get(name)
+        if dest.exists() and want and file_sha256(dest)[1] == want:
+            continue
+        blob = home.read(f"index/{name}")
+        if want and hashlib.sha256(blob).hexdigest() != want:
+            raise CorruptDatasetError(f"{home.where('index/' + name)} does not match its checksum; push the dataset again")
+        atomic_write(dest, blob)
+    (local / "shards").mkdir(exist_ok=True)
+    (local / "source.json").write_text(json.dumps({"url": home.url}))
+    atomic_write(local / "manifest.json", data)
+    return local
+
+
+def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None) -> dict[str, Any]:
+    """Upload a local, fully sealed dataset: shards (.zst), index, then the manifest last,
+    so a half-pushed dataset is never visible. Objects already there with the right size
+    are skipped, so an interrupted push resumes."""
+    src = Path(dataset)
+    store = Store(src, "r")
+    try:
+        m = json.loads(json.dumps(store.manifest))
+    finally:
+        store.close()
+    if int(m["tail"]["records"]):
+        raise KVDataError(f"{src} has {m['tail']['records']} unsealed records; run `kvdata seal {src}` before pushing")
+    home = open_home(url)
+    if not home.writable:
+        raise ReadOnlyError(f"{url} is read-only; push to a local path or s3://")
+    uploaded = skipped = 0
+    bar = make_progress(len(m["shards"]) + 3, "push", show)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvdata-push-") as tmpd:
+            for e in m["shards"]:
+                if not e.get("zst"):
+                    e["zst"] = _compress(src / "shards" / e["name"], Path(tmpd) / (e["name"] + ".zst"))
+                name = f"shards/{e['zst']['name']}"
+                path = src / name if (src / name).exists() else Path(tmpd) / e["zst"]["name"]
+                if _remote_size(home, name) == int(e["zst"]["bytes"]):
+                    skipped += 1
+                else:
+                    home.put_file(name, path)
+                    uploaded += 1
+                bar.update(1)
+            sums = {}
+            for kind, name, count in _index_files(m):
+                trimmed = Path(tmpd) / name
+                with open(src / "index" / name, "rb") as f:
+                    blob = f.read(count)
+                trimmed.write_bytes(blob)
+                sums[name] = hashlib.sha256(blob).hexdigest()
+                home.put_file(f"index/{name}", trimmed)
+            bar.update(2)
+            m["index_sha256"] = sums
+            mpath = Path(tmpd) / "manifest.json"
+            mpath.write_bytes(fmt.dump_manifest(m))
+            home.put_file("manifest.json", mpath)
+            bar.update(1)
+    finally:
+        bar.close()
+        home.close()
+    return {"dataset": str(src), "url": url, "generation": m["generation"], "shards_uploaded": uploaded,
+            "shards_skipped": skipped}
+
+
+def _compress(path: Path, dest: Path) -> dict[str, Any]:
+    with open(dest, "wb") as f:
+        size, sha = compress_file(path, f)
+    return {"name": dest.name, "bytes": size, "sha256": sha}
+
+
+def _remote_size(home: Home, name: str) -> int | None:
+    try:
+        return home.size(name)
+    except RemoteError:
+        return None
+
+
+def _index_files(m: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """(kind, file name, meaningful bytes) of the index files a manifest references."""
+    idx = m["index"]
+    out = []
+    if idx["samples"]:
+        out.append(("samples", idx["samples"], int(m["count"]) * fmt.SAMPLE_DTYPE.itemsize))
+    if idx["records"]:
+        out.append(("records", idx["records"], int(idx["records_count"]) * fmt.RECORD_DTYPE.itemsize))
+    for r in idx["keys"]:
+        out.append(("keys", r["name"], int(r["count"]) * 16))
+    return out

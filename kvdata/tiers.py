@@ -1,0 +1,424 @@
+"""Tiers and the staging engine: verified copies of sealed shards in RAM/SSD/HDD directories.
+
+A staged copy is named by its shard's sha256 (content addressing): every job and
+user reading the same shard shares one file, and a dataset rewritten at home can
+never be served a stale copy. Staging fetches (concurrent ranged parts for remote
+homes), decompresses the zstd stream, verifies the checksum, writes a temp name
+in the target tier, fsyncs and renames: a partial or unverified file never has a
+real name. Readers hold a shared flock on the copies they map, so eviction (which
+needs an exclusive one) never takes a shard being read; on Linux an unlinked file
+also stays readable through an existing map, so eviction never fails a read.
+
+Which shards a tier holds is decided by kvdata.policy from the orders readers
+announce: prefetch the next-needed shards that fit, evict the furthest.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import secrets
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+import zstandard
+
+from . import policy
+from .codec import CHUNK
+from .config import Config, TierConfig
+from .errors import ConfigError, KVDataError
+from .fsutil import fsync_dir, unlink_quiet
+from .remote import Home, RemoteError
+from .sizes import format_size
+
+
+class ChecksumMismatchError(KVDataError):
+    """A fetched shard does not match its manifest checksum; it is never served."""
+
+
+class Tier:
+    """One cache directory with a byte budget: <root>/shards/<sha256>.mdb."""
+
+    def __init__(self, cfg: TierConfig) -> None:
+        self.name, self.root, self.budget = cfg.name, Path(cfg.path), int(cfg.budget)
+        self.dir = self.root / "shards"
+        self.locks = self.root / "locks"
+
+    def ensure(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.locks.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha: str) -> Path:
+        return self.dir / f"{sha}.mdb"
+
+    def has(self, sha: str) -> bool:
+        return os.path.exists(self.dir / f"{sha}.mdb")
+
+    def resident(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        try:
+            with os.scandir(self.dir) as it:
+                for e in it:
+                    if e.name.endswith(".mdb") and not e.name.startswith("."):
+                        try:
+                            out[e.name[:-4]] = e.stat().st_size
+                        except FileNotFoundError:
+                            pass
+        except FileNotFoundError:
+            pass
+        return out
+
+    def used(self) -> int:
+        return sum(self.resident().values())
+
+    def clean_partials(self) -> int:
+        """Remove temp files of stagers that died (their pid no longer runs)."""
+        removed = 0
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            if name.startswith(".") and name.endswith(".tmp"):
+                try:
+                    pid = int(name.split(".")[2])
+                except (IndexError, ValueError):
+                    pid = -1
+                if pid == os.getpid() or not _pid_alive(pid):
+                    unlink_quiet(self.dir / name)
+                    removed += 1
+        return removed
+
+    def try_evict(self, sha: str) -> bool:
+        """Delete a copy unless a reader holds it (shared flock); True if gone."""
+        p = self.path(sha)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:
+            unlink_quiet(p)
+        finally:
+            os.close(fd)
+        return True
+
+    @contextmanager
+    def staging_lock(self, sha: str) -> Iterator[None]:
+        """Cross-process: one stager per shard per tier; others wait and then find it staged."""
+        self.locks.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.locks / f"{sha}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    home_reads: int = 0
+    shards_staged: int = 0
+    bytes_staged: int = 0
+    bytes_from_home: int = 0
+    evictions: int = 0
+    stall_seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Known:
+    home: Home
+    entry: dict[str, Any]
+
+
+class Engine:
+    """Stages shards into tiers on demand and ahead of announced orders."""
+
+    def __init__(self, config: Config, *, workers: int = 3, part_size: int = 8 << 20, parts_in_flight: int = 8,
+                 prefetch: bool = True) -> None:
+        self.config = config
+        self.tiers = [Tier(t) for t in config.tiers]
+        for t in self.tiers:
+            t.ensure()
+            t.clean_partials()
+        self.part_size, self.parts_in_flight, self.prefetch = part_size, parts_in_flight, prefetch
+        self._parts = ThreadPoolExecutor(max(4, parts_in_flight * workers), thread_name_prefix="kvdata-part")
+        self._jobs = ThreadPoolExecutor(workers, thread_name_prefix="kvdata-stage")
+        self._workers = workers
+        self._lock = threading.RLock()
+        self._inflight: dict[tuple[str, str], Future[Path]] = {}
+        self._demands: dict[str, policy.Demand] = {}
+        self._known: dict[str, _Known] = {}
+        self.stats = Counters()
+        self._closed = False
+
+    # ------------------------------------------------------------ budgets and lookup
+
+    def check_budgets(self, entries: list[dict[str, Any]]) -> None:
+        """Refuse tiers too small for the largest shard (a stager could never fit it)."""
+        if not entries:
+            return
+        largest = max(int(e["bytes"]) for e in entries)
+        for t in self.tiers:
+            if t.budget < largest:
+                raise ConfigError(f"tier {t.name!r} has a budget of {format_size(t.budget)}, smaller than the largest "
+                                  f"shard ({format_size(largest)}); raise it to at least {largest} bytes")
+
+    def fastest_copy(self, sha: str) -> Path | None:
+        for t in self.tiers:
+            if t.has(sha):
+                return t.path(sha)
+        return None
+
+    def locate(self, home: Home, entry: dict[str, Any]) -> tuple[Path, bool]:
+        """(path of a complete copy, whether it is a staged copy) -- staging it now if needed."""
+        sha = entry["sha256"]
+        self._known.setdefault(sha, _Known(home, entry))
+        p = self.fastest_copy(sha)
+        if p is not None:
+            self.stats.hits += 1
+            return p, True
+        local = home.local_path(f"shards/{entry['name']}")
+        if local is not None and not self.config.stage_local and local.exists():
+            self.stats.home_reads += 1
+            return local, False
+        self.stats.misses += 1
+        t0 = time.monotonic()
+        try:
+            path = self.stage(home, entry, need_now=True).result()
+        finally:
+            self.stats.stall_seconds += time.monotonic() - t0
+        return path, True
+
+    # ------------------------------------------------------------ staging
+
+    def stage(self, home: Home, entry: dict[str, Any], tier: str | None = None, need_now: bool = False) -> Future[Path]:
+        """Copy one shard into a tier (default: the fastest); the Future gives its path."""
+        target = self.tiers[0] if tier is None else next((t for t in self.tiers if t.name == tier), None)
+        if target is None:
+            raise ConfigError(f"no tier named {tier!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+        sha = entry["sha256"]
+        self._known.setdefault(sha, _Known(home, entry))
+        key = (target.name, sha)
+        with self._lock:
+            fut = self._inflight.get(key)
+            if fut is None:
+                fut = self._jobs.submit(self._stage_job, home, entry, target, need_now)
+                self._inflight[key] = fut
+                fut.add_done_callback(lambda f, k=key: self._done(k, f))
+        return fut
+
+    def _done(self, key: tuple[str, str], fut: Future[Path]) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+        exc = fut.exception()
+        if exc is not None:
+            self.stats.errors.append(str(exc))
+            del self.stats.errors[:-20]
+        elif self.prefetch and not self._closed:
+            self._replan()
+
+    def _stage_job(self, home: Home, entry: dict[str, Any], tier: Tier, need_now: bool) -> Path:
+        sha, size = entry["sha256"], int(entry["bytes"])
+        dest = tier.path(sha)
+        if dest.exists():
+            return dest
+        tier.ensure()
+        with tier.staging_lock(sha):
+            if dest.exists():
+                return dest
+            if not self._make_room(tier, size, need_now):
+                raise _NoRoom(tier.name)
+            tmp = tier.dir / f".{sha}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    digest, n = self._copy_verified(home, entry, tier, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if n != size or digest != sha:
+                    raise ChecksumMismatchError(
+                        f"{home.where('shards/' + entry['name'])}: shard {entry['name']} has sha256 {digest[:16]}... "
+                        f"({n} bytes), the manifest says {sha[:16]}... ({size} bytes); it was not staged. "
+                        "Restore the home copy (kvdata verify/push)")
+                os.replace(tmp, dest)
+                fsync_dir(tier.dir)
+            except BaseException:
+                unlink_quiet(tmp)
+                raise
+        self.stats.shards_staged += 1
+        self.stats.bytes_staged += size
+        return dest
+
+    def _copy_verified(self, home: Home, entry: dict[str, Any], target: Tier, out: BinaryIO) -> tuple[str, int]:
+        """Write the shard's uncompressed bytes to `out` from the fastest source; (sha256, size)."""
+        sha = hashlib.sha256()
+        n = 0
+
+        def sink(chunk: bytes) -> None:
+            nonlocal n
+            sha.update(chunk)
+            out.write(chunk)
+            n += len(chunk)
+
+        for t in self.tiers:  # promotion: a complete copy in another tier
+            if t is not target and t.has(entry["sha256"]):
+                try:
+                    with open(t.path(entry["sha256"]), "rb") as f:
+                        while chunk := f.read(CHUNK):
+                            sink(chunk)
+                    return sha.hexdigest(), n
+                except FileNotFoundError:  # evicted meanwhile: fall through to the next source
+                    sha, n = hashlib.sha256(), 0
+                    out.seek(0)
+                    out.truncate()
+        local = home.local_path(f"shards/{entry['name']}")
+        if local is not None and local.exists():
+            with open(local, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    sink(chunk)
+            self.stats.bytes_from_home += n
+            return sha.hexdigest(), n
+        z = entry.get("zst")
+        if not z:
+            raise RemoteError(f"{home.where('shards/' + entry['name'] + '.zst')}: the home has no compressed copy "
+                              "of this shard; push the dataset again")
+        name = f"shards/{z['name']}"
+        dobj = zstandard.ZstdDecompressor().decompressobj()
+        fetched = 0
+        for part in self._home_bytes(home, name, int(z["bytes"])):
+            fetched += len(part)
+            if part:
+                sink(dobj.decompress(part))
+        self.stats.bytes_from_home += fetched
+        return sha.hexdigest(), n
+
+    def _home_bytes(self, home: Home, name: str, size: int) -> Iterator[bytes]:
+        local = home.local_path(name)
+        if local is not None:
+            with open(local, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    yield chunk
+            return
+        yield from home.parts(name, size, self._parts, self.part_size, self.parts_in_flight)
+
+    def _make_room(self, tier: Tier, size: int, need_now: bool) -> bool:
+        """Evict per policy until `size` fits; a need-now shard goes in even if nothing can go."""
+        with self._lock:
+            demands = list(self._demands.values())
+        resident = tier.resident()
+        for victim in policy.plan_eviction(tier.budget, resident, demands, size):
+            if tier.try_evict(victim):
+                self.stats.evictions += 1
+                resident.pop(victim, None)
+            if sum(resident.values()) + size <= tier.budget:
+                break
+        return need_now or sum(resident.values()) + size <= tier.budget
+
+    # ------------------------------------------------------------ order-aware prefetch
+
+    def announce(self, reader: str, home: Home, entries: list[dict[str, Any]], position: int = 0) -> None:
+        """A reader's shard sequence for its epoch (e.g. from ShardShuffleSampler.shard_order)."""
+        for e in entries:
+            self._known.setdefault(e["sha256"], _Known(home, e))
+        with self._lock:
+            self._demands[reader] = policy.Demand(tuple(e["sha256"] for e in entries), position)
+        if self.prefetch:
+            self._replan()
+
+    def progress(self, reader: str, position: int) -> None:
+        with self._lock:
+            d = self._demands.get(reader)
+            if d is None or d.position == position:
+                return
+            self._demands[reader] = policy.Demand(d.sequence, position)
+        if self.prefetch:
+            self._replan()
+
+    def release(self, reader: str) -> None:
+        with self._lock:
+            self._demands.pop(reader, None)
+
+    def _replan(self) -> None:
+        with self._lock:
+            if self._closed or not self._demands:
+                return
+            demands = list(self._demands.values())
+            sizes = {sha: int(k.entry["bytes"]) for sha, k in self._known.items()}
+            busy = len(self._inflight)
+        for tier in reversed(self.tiers):  # fill slow tiers from home first, then promote
+            plan = policy.plan_tier(tier.budget, sizes, tier.resident(), demands)
+            for sha in plan.stage:
+                if busy >= 2 * self._workers:
+                    return
+                k = self._known.get(sha)
+                if k is None or (tier.name, sha) in self._inflight:
+                    continue
+                self.stage(k.home, k.entry, tier.name)
+                busy += 1
+
+    # ------------------------------------------------------------ maintenance
+
+    def evict(self, entries: list[dict[str, Any]], tier: str | None = None) -> int:
+        """Drop staged copies of these shards (not ones being read); returns how many."""
+        n = 0
+        for t in self.tiers:
+            if tier is not None and t.name != tier:
+                continue
+            for e in entries:
+                if t.has(e["sha256"]) and t.try_evict(e["sha256"]):
+                    n += 1
+                    self.stats.evictions += 1
+        return n
+
+    def status(self) -> dict[str, Any]:
+        tiers = []
+        for t in self.tiers:
+            ok = t.root.exists()
+            res = t.resident() if ok else {}
+            tiers.append({"name": t.name, "path": str(t.root), "budget": t.budget, "used": sum(res.values()),
+                          "shards": len(res), "ok": ok})
+        s = self.stats
+        lookups = s.hits + s.misses
+        with self._lock:
+            inflight = len(self._inflight)
+        return {"tiers": tiers, "hits": s.hits, "misses": s.misses, "hit_rate": s.hits / lookups if lookups else None,
+                "shards_staged": s.shards_staged, "bytes_staged": s.bytes_staged, "bytes_from_home": s.bytes_from_home,
+                "evictions": s.evictions, "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight,
+                "readers": len(self._demands), "errors": list(s.errors)}
+
+    def close(self) -> None:
+        self._closed = True
+        self._jobs.shutdown(wait=True, cancel_futures=True)
+        self._parts.shutdown(wait=True, cancel_futures=True)
+
+
+class _NoRoom(KVDataError):
+    def __init__(self, tier: str) -> None:
+        super().__init__(f"tier {tier!r} is full of shards in use; not prefetching")
