@@ -160,16 +160,16 @@ def _value_bytes(value: Any, key: str, field: str | None) -> memoryview:
 
 
 @main.command()
-@click.argument("dataset", type=click.Path())
+@click.argument("dataset")
 @click.argument("key")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), help="Write to FILE instead of stdout.")
 @click.option("--field", "-f", help="For a record of fields: which field's raw bytes to write.")
 @click.option("--json", "as_json", is_flag=True, help="Print the record's metadata instead of its bytes.")
 def get(dataset: str, key: str, output: str | None, field: str | None, as_json: bool) -> None:
     """Write a record's raw bytes to stdout or FILE (or its metadata with --json)."""
-    from .store import open_store
+    from .access import open_dataset
 
-    with open_store(dataset) as store:
+    with open_dataset(dataset) as store:
         pos = store.find(key)
         if pos is None:
             raise KVDataError(f"key {key!r} is not in {dataset}; list keys with `kvdata ls {dataset}`")
@@ -213,9 +213,9 @@ def rm(dataset: str, keys: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per record, as a list.")
 def ls(dataset: str, long_: bool, limit: int | None, as_json: bool) -> None:
     """List keys in sample order."""
-    from .store import open_store
+    from .access import open_dataset
 
-    with open_store(dataset) as store:
+    with open_dataset(dataset) as store:
         stop = len(store) if limit is None else min(limit, len(store))
         rows = _iter_described(store, stop)
         if as_json:
@@ -237,7 +237,8 @@ def _iter_described(store: Any, stop: int) -> Iterator[dict[str, Any]]:
 def dataset_info(store: Any) -> dict[str, Any]:
     """What `kvdata info --json` prints."""
     m = store.manifest
-    disk = sum(f.stat().st_size for f in store.root.rglob("*") if f.is_file())
+    disk = sum(f.stat().st_size for f in store.root.rglob("*") if f.is_file()) if store.home is None \
+        or store.home.local_path("") is not None else None
     return {
         "dataset": str(store.root),
         "format_version": m["version"],
@@ -260,9 +261,9 @@ def dataset_info(store: Any) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def info(dataset: str, as_json: bool) -> None:
     """Samples, shards, bytes on disk, fields and generation."""
-    from .store import open_store
+    from .access import open_dataset
 
-    with open_store(dataset) as store:
+    with open_dataset(dataset) as store:
         d = dataset_info(store)
     if as_json:
         _json(d)
@@ -271,7 +272,8 @@ def info(dataset: str, as_json: bool) -> None:
     click.echo(f"samples      {d['samples']}")
     click.echo(f"shards       {d['sealed_shards']} sealed + tail ({d['tail_records']} records), "
                f"sealed at {format_size(d['shard_size'])}")
-    click.echo(f"on disk      {format_size(d['bytes_on_disk'])} ({format_size(d['bytes_compressed'])} zstd copies)")
+    local = "remote home" if d["bytes_on_disk"] is None else format_size(d["bytes_on_disk"])
+    click.echo(f"on disk      {local} ({format_size(d['bytes_compressed'])} zstd copies)")
     click.echo(f"generation   {d['generation']} (format {d['format_version']})")
     click.echo(f"classes      {d['classes']}")
     for name, spec in d["fields"].items():
@@ -325,6 +327,7 @@ def reindex(dataset: str, as_json: bool) -> None:
                    f"(generation {summary['generation']})")
 
 
-from . import cli_import  # noqa: E402  (registers `kvdata import` and `kvdata demo`)
+from . import cli_cache, cli_import  # noqa: E402  (register the remaining commands)
 
 cli_import.register(main)
+cli_cache.register(main)

@@ -39,8 +39,14 @@ def _check_record(v: Any) -> tuple[str | None, str | None]:
 
 
 def verify(path: str | os.PathLike[str], *, progress: bool | None = None) -> dict[str, Any]:
-    """Check a dataset; the report's "ok" is False if anything is bad, and names it."""
-    store = Store(path, "r")
+    """Check a dataset; the report's "ok" is False if anything is bad, and names it.
+
+    For a remote (or staged) dataset the shards checked are the staged copies, staged
+    now if needed (staging itself refuses a copy whose checksum does not match).
+    """
+    from .access import open_dataset
+
+    store = open_dataset(path)
     try:
         return _verify(store, progress)
     finally:
@@ -59,6 +65,13 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
     try:
         for e in m["shards"]:
             path = root / "shards" / e["name"]
+            if store._locator is not None:
+                try:
+                    path = store._locator(e)[0]
+                except KVDataError as err:
+                    bad_shards.append({"shard": e["name"], "problem": str(err)})
+                    bar.update(int(e["records"]))
+                    continue
             if not path.exists():
                 bad_shards.append({"shard": e["name"], "problem": "missing"})
                 bar.update(int(e["records"]))
@@ -67,7 +80,7 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
             if size != int(e["bytes"]) or sha != e["sha256"]:
                 bad_shards.append({"shard": e["name"], "problem": "checksum mismatch" if size == int(e["bytes"]) else
                                    f"size {size} != {e['bytes']}"})
-            if e.get("zst"):
+            if e.get("zst") and store._locator is None:
                 zpath = root / "shards" / e["zst"]["name"]
                 if not zpath.exists():
                     bad_shards.append({"shard": e["zst"]["name"], "problem": "missing"})
