@@ -55,7 +55,8 @@ def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_siz
     eng = engine if engine is not None else Engine(cfg)
     try:
         root = mirror(home, cache_root(cfg)) if is_url(loc) else Path(loc)
-        store = Store(root, "r", copy_threads=copy_threads, shard_locator=lambda e: eng.locate(home, e))
+        store = Store(root, "r", copy_threads=copy_threads, shard_locator=lambda e: eng.locate(home, e),
+                      max_open_shards=_max_open(eng, root), shard_mapped=lambda e: eng.unpin(e["sha256"]))
     except BaseException:
         if own_engine:
             eng.close()
@@ -72,6 +73,17 @@ def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_siz
         store.on_close(eng.close)
     store.on_close(home.close)
     return store
+
+
+def _max_open(eng: Engine, root: Path) -> int:
+    """Shards a reader keeps mapped (and so un-evictable): at most a third of the fastest
+    tier, so prefetching always has room."""
+    try:
+        m = fmt.parse_manifest((root / "manifest.json").read_bytes(), str(root))
+        largest = max((int(e["bytes"]) for e in m["shards"]), default=1)
+    except (OSError, KVDataError):
+        return 4
+    return max(1, min(16, eng.tiers[0].budget // max(largest, 1) // 3))
 
 
 def mirror(home: Home, root: Path) -> Path:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from .access import open_dataset
 from .store import Store
 
 
@@ -65,11 +66,28 @@ class Dataset(torch.utils.data.Dataset):
 
     @property
     def store(self) -> Store:
+        """This process's store: a local path read in place, or (URL / tiers configured)
+        shards served from the fastest tier, staged on demand."""
         if self._store is None or self._pid != os.getpid():
             # in a worker the workers are the parallelism: copy with one thread
-            self._store = Store(self.path, "r", copy_threads=1 if _in_worker() else None)
+            self._store = open_dataset(self.path, copy_threads=1 if _in_worker() else None)
             self._pid = os.getpid()
         return self._store
+
+    def announce(self, reader: str, shard_ids: Sequence[int], position: int = 0) -> None:
+        """Tell the staging engine the order this reader will visit shards in, so it
+        prefetches ahead and evicts what is needed last (no-op when read in place)."""
+        store = self.store
+        if store.engine is None:
+            return
+        entries = store.manifest["shards"]
+        seq = [entries[s] for s in shard_ids if s < len(entries)]  # the open tail is never staged
+        store.engine.announce(reader, store.home, seq, position)
+
+    def progress(self, reader: str, position: int) -> None:
+        """How far (in shards of the announced sequence) the reader has got."""
+        if self.store.engine is not None:
+            self.store.engine.progress(reader, position)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

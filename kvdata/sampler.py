@@ -6,6 +6,7 @@ the sequence this sampler yields.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator
 
 import numpy as np
@@ -49,6 +50,8 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         self._groups = order_mod.group_by_shard(shards)
         self._shards = shards
         self.num_samples = order_mod.samples_per_rank(len(shards), self.world_size, self.drop_last)
+        self._dataset = dataset  # announce()/progress() feed the staging engine, if it has them
+        self._reader = f"sampler-{os.getpid()}-{id(self):x}-rank{self.rank}"
         self.epoch = 0
         self._start = 0        # where the next __iter__ begins (set by load_state_dict)
         self._yielded = 0      # position reached by the current iterator
@@ -84,11 +87,41 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         mine = self.indices()
         start, self._start = self._start, 0
         self._yielded = start
-        for chunk_start in range(start, len(mine), 4096):
-            chunk = mine[chunk_start:chunk_start + 4096].tolist()
-            for i in chunk:
+        step = self._announce(mine, start)
+        chunk = 256 if step is None else 32  # report progress often enough for the stager
+        for chunk_start in range(start, len(mine), chunk):
+            if step is not None:
+                step(chunk_start)
+            for i in mine[chunk_start:chunk_start + chunk].tolist():
                 self._yielded += 1
                 yield i
+
+    def _announce(self, mine: np.ndarray, start: int) -> Any:
+        """Announce this epoch's shard sequence; return a callback reporting progress."""
+        announce = getattr(self._dataset, "announce", None)
+        report = getattr(self._dataset, "progress", None)
+        if announce is None or not len(mine):
+            return None
+        shards = self._shards[mine]
+        seq = order_mod.first_use_order(shards)
+        rank_of = np.zeros(int(shards.max()) + 1, dtype=np.int64)
+        rank_of[seq] = np.arange(len(seq))
+        pos = np.maximum.accumulate(rank_of[shards])  # furthest shard reached so far
+        lag = self.window - 1                        # a window's shards are read together
+
+        def position(i: int) -> int:
+            return max(0, int(pos[min(i, len(pos) - 1)]) - lag)
+
+        announce(self._reader, seq.tolist(), position(start))
+        last = [position(start)]
+
+        def step(i: int) -> None:
+            p = position(i)
+            if p != last[0] and report is not None:
+                last[0] = p
+                report(self._reader, p)
+
+        return step
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where to resume. `consumed` = samples of this epoch the training loop has

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import format as fmt
 from .batching import Copier
-from .errors import ClosedError, CorruptDatasetError, NotADatasetError, ReadOnlyError
+from .errors import ClosedError, CorruptDatasetError, MissingShardError, NotADatasetError, ReadOnlyError
 from .index import Index
 from .shards import ENVS, SealedShard, open_tail_for_read
 
@@ -77,7 +77,8 @@ class Store:
 
     def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
                  compress: bool = True, shard_locator: ShardLocator | None = None,
-                 copy_threads: int | None = None, readahead: bool = True, max_open_shards: int = 16) -> None:
+                 copy_threads: int | None = None, readahead: bool = True, max_open_shards: int = 16,
+                 shard_mapped: Callable[[dict], None] | None = None) -> None:
         if mode not in ("r", "a", "w"):
             raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
         self.root = Path(root)
@@ -89,6 +90,7 @@ class Store:
         # With staged copies, a mapped shard holds a reader lock that keeps it from eviction:
         # keep only the most recently used few mapped, so tiers can turn over.
         self._max_open = max_open_shards if shard_locator is not None else None
+        self._shard_mapped = shard_mapped  # told once a staged copy is mapped and reader-locked
         self._tail_env: Any = None
         self._closed = False
         self._plans: dict[bytes, fmt.Plan] = {}
@@ -386,7 +388,10 @@ class Store:
         for attempt in range(3):
             path, staged = self._locator(entry)
             try:
-                return SealedShard(path, int(entry["bytes"]), hold_lock=staged)
+                h = SealedShard(path, int(entry["bytes"]), hold_lock=staged)
+                if self._shard_mapped is not None:
+                    self._shard_mapped(entry)
+                return h
             except MissingShardError:
                 if not staged or attempt == 2:
                     raise

@@ -40,6 +40,9 @@ from .remote import Home, RemoteError
 from .sizes import format_size
 
 
+PIN_SECONDS = 5.0
+
+
 class ChecksumMismatchError(KVDataError):
     """A fetched shard does not match its manifest checksum; it is never served."""
 
@@ -177,6 +180,7 @@ class Engine:
         self._demands: dict[str, policy.Demand] = {}
         self._known: dict[str, _Known] = {}
         self.stats = Counters()
+        self._pinned: dict[str, float] = {}  # sha -> until when: just staged for a waiting reader
         self._closed = False
 
     # ------------------------------------------------------------ budgets and lookup
@@ -211,11 +215,28 @@ class Engine:
             return local, False
         self.stats.misses += 1
         t0 = time.monotonic()
+        with self._lock:  # keep it from eviction until the reader has mapped (and locked) it
+            self._pinned[sha] = time.monotonic() + PIN_SECONDS
         try:
-            path = self.stage(home, entry, need_now=True).result()
+            try:
+                path = self.stage(home, entry, need_now=True).result()
+            except _NoRoom:  # we waited on a prefetch of this shard that gave up: a reader needs it now
+                path = self._stage_job(home, entry, self.tiers[0], True)
         finally:
             self.stats.stall_seconds += time.monotonic() - t0
         return path, True
+
+    def unpin(self, sha: str) -> None:
+        """The reader has mapped (and reader-locked) the copy: the lock protects it now."""
+        with self._lock:
+            self._pinned.pop(sha, None)
+
+    def _pinned_now(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            for sha in [s for s, until in self._pinned.items() if until < now]:
+                del self._pinned[sha]
+            return set(self._pinned)
 
     # ------------------------------------------------------------ staging
 
@@ -238,8 +259,10 @@ class Engine:
     def _done(self, key: tuple[str, str], fut: Future[Path]) -> None:
         with self._lock:
             self._inflight.pop(key, None)
+        if fut.cancelled():
+            return
         exc = fut.exception()
-        if exc is not None:
+        if exc is not None and not isinstance(exc, _NoRoom):
             self.stats.errors.append(str(exc))
             del self.stats.errors[:-20]
         elif self.prefetch and not self._closed:
@@ -333,7 +356,7 @@ class Engine:
         with self._lock:
             demands = list(self._demands.values())
         resident = tier.resident()
-        for victim in policy.plan_eviction(tier.budget, resident, demands, size):
+        for victim in policy.plan_eviction(tier.budget, resident, demands, size, in_use=self._pinned_now()):
             if tier.try_evict(victim):
                 self.stats.evictions += 1
                 resident.pop(victim, None)
@@ -366,14 +389,21 @@ class Engine:
             self._demands.pop(reader, None)
 
     def _replan(self) -> None:
+        try:
+            self._replan_once()
+        except RuntimeError:  # the pools shut down meanwhile (engine or interpreter closing)
+            pass
+
+    def _replan_once(self) -> None:
         with self._lock:
             if self._closed or not self._demands:
                 return
             demands = list(self._demands.values())
             sizes = {sha: int(k.entry["bytes"]) for sha, k in self._known.items()}
             busy = len(self._inflight)
+        pinned = self._pinned_now()
         for tier in reversed(self.tiers):  # fill slow tiers from home first, then promote
-            plan = policy.plan_tier(tier.budget, sizes, tier.resident(), demands)
+            plan = policy.plan_tier(tier.budget, sizes, tier.resident(), demands, in_use=pinned)
             for sha in plan.stage:
                 if busy >= 2 * self._workers:
                     return
