@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import io
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -38,7 +38,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -95,7 +95,7 @@ def _interp(n_out: int, n_in: int) -> np.ndarray:
 
 def make_images(rng: np.random.Generator, count: int, content: str) -> np.ndarray:
     """`count` seeded images. "smooth": a random 32x32 grid upscaled bilinearly plus +-10 noise
-    (JPEG q90 ~20 KB, decodes like a photo crop); "noise": uniform random bytes."""
+    (JPEG q90 ~20 KB); "noise": uniform random bytes (JPEG ~50 KB, ~2x slower to decode)."""
     if content == "noise":
         return rng.integers(0, 256, size=(count, *SHAPE), dtype=np.uint8)
     g, h = 32, SHAPE[0]
@@ -116,6 +116,11 @@ def _lit_item(flat_path: str, i: int) -> dict[str, Any]:
     if mm is None:
         mm = _FLAT_CACHE[flat_path] = np.memmap(flat_path, np.uint8, "r")
     return {"image": np.array(mm[i * IMG:(i + 1) * IMG]).reshape(SHAPE), "label": i % 1000}
+
+
+def _lit_build(flat_path: str, n: int, out_dir: str, chunk_bytes: str) -> None:
+    lit_optimize(fn=functools.partial(_lit_item, flat_path), inputs=list(range(n)), output_dir=out_dir,
+                 chunk_bytes=chunk_bytes, num_workers=1, verbose=False, mode="overwrite")
 
 
 def jpeg_path(root: Path, i: int) -> Path:
@@ -167,9 +172,14 @@ def build(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     np.save(root / "offsets.npy", np.arange(n + 1, dtype=np.int64) * IMG)
     np.save(root / "labels.npy", labels)
     if litdata is not None:
-        lit_optimize(fn=functools.partial(_lit_item, str(root / "flat.u8")), inputs=list(range(n)),
-                     output_dir=str(root / "litdata"), chunk_bytes=a.lit_chunk_bytes, num_workers=1,
-                     verbose=False, mode="overwrite")
+        # In a child process: optimize() sets the global multiprocessing start method to "spawn",
+        # which would make every later DataLoader spawn (and pickle the dataset to) its workers.
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_lit_build, args=(str(root / "flat.u8"), n, str(root / "litdata"), a.lit_chunk_bytes))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise SystemExit(f"litdata optimize failed (exit code {proc.exitcode})")
     with kvdata.open(root / "kvdata") as st:
         shards = len(st.manifest["shards"])
     sizes = {f: dir_bytes(root / f) for f in ("flat.u8", "kvdata", "ninja", "jpeg", "litdata") if (root / f).exists()}
@@ -332,20 +342,6 @@ class Sink:
         return n
 
 
-def epochs(dl: tud.DataLoader, set_epoch: Callable[[int], None], first: int = 0) -> Iterator[Any]:
-    """Batches forever, epoch after epoch, as a training loop iterates them."""
-    e = first
-    while True:
-        set_epoch(e)
-        empty = True
-        for b in dl:
-            empty = False
-            yield b
-        if empty:
-            raise RuntimeError("the DataLoader produced an empty epoch")
-        e += 1
-
-
 def run_short(m: Method, ds: Any, nw: int, k: int, epoch: int, sink: Sink) -> float:
     dl, set_epoch = m.make_dl(ds, nw, False)
     set_epoch(epoch)
@@ -361,17 +357,30 @@ def run_short(m: Method, ds: Any, nw: int, k: int, epoch: int, sink: Sink) -> fl
 
 
 def run_steady(m: Method, ds: Any, nw: int, w: int, count: int, sink: Sink) -> float:
+    """Epoch after epoch as a training loop iterates them; after w warm-up batches, the next
+    `count` batches are timed (across epoch boundaries)."""
     dl, set_epoch = m.make_dl(ds, nw, True)
-    gen = epochs(dl, set_epoch)
-    for _ in range(w):
-        sink(next(gen))
-    n = 0
-    t0 = time.perf_counter()
-    for _ in range(count):
-        n += sink(next(gen))
-    dt = time.perf_counter() - t0
-    gen.close()
-    del gen, dl  # the persistent workers go with the DataLoader
+    done = n = 0
+    t0 = dt = 0.0
+    epoch = 0
+    while not dt:
+        set_epoch(epoch)
+        empty = True
+        for b in dl:
+            empty = False
+            if done == w:
+                t0 = time.perf_counter()
+            got = sink(b)
+            done += 1
+            if done > w:
+                n += got
+                if done == w + count:
+                    dt = time.perf_counter() - t0
+                    break
+        if empty:
+            raise RuntimeError(f"{m.name}: the DataLoader produced an empty epoch")
+        epoch += 1
+    del dl, b  # the persistent workers go with the DataLoader (untimed)
     gc.collect()
     return n / dt
 
@@ -485,10 +494,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test (numbers mean nothing)")
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
+    if p.parse_args().quick:  # smaller defaults; options given explicitly still win
+        p.set_defaults(n_images=600, short_batches=2, warmup_batches=1, steady_batches=4, br_batches=6,
+                       repeats=2, shard_size="16MB", lit_chunk_bytes="16MB")
     a = p.parse_args()
-    if a.quick:
-        a.n_images, a.short_batches, a.warmup_batches, a.steady_batches = 600, 2, 1, 4
-        a.br_batches, a.repeats, a.shard_size, a.lit_chunk_bytes = 6, 2, "16MB", "16MB"
     per_epoch = a.n_images // BATCH
     if per_epoch < 1:
         raise SystemExit(f"--n-images must be at least {BATCH}")
@@ -496,6 +505,8 @@ def main() -> None:
     if k > per_epoch:
         raise SystemExit(f"--short-batches {k} is more than the {per_epoch} full batches of one epoch")
     w = a.warmup_batches or k
+    if min(a.steady_batches, a.br_batches, a.repeats) < 1:
+        raise SystemExit("--steady-batches, --br-batches and --repeats must be >= 1")
     workers = [int(x) for x in a.workers.split(",")]
     made = a.dir is None
     d = Path(tempfile.mkdtemp(prefix="kvdata-loader-", dir="/tmp")) if made else a.dir
@@ -539,13 +550,14 @@ def main() -> None:
         br_total = [0]
         for r in range(a.repeats):
             for m in rotated(ms, r):
+                tm = time.perf_counter()
                 ds = m.make_ds()
                 for nw in (workers if r % 2 == 0 else workers[::-1]):
                     rates[m.name]["short"][str(nw)].append(run_short(m, ds, nw, k, r + 1, sink))
                     rates[m.name]["steady"][str(nw)].append(run_steady(m, ds, nw, w, a.steady_batches, sink))
                 del ds
                 gc.collect()
-                print(f"repeat {r + 1}/{a.repeats}: {m.name} done", file=sys.stderr)
+                print(f"repeat {r + 1}/{a.repeats}: {m.name} ({time.perf_counter() - tm:.1f}s)", file=sys.stderr)
             # BatchReader and memcpy after the loaders: no reader thread is alive while workers fork
             pair = [lambda: memcpy.append(measure_memcpy()),
                     lambda: br.append(run_batch_reader(root / "kvdata", a.br_batches, flat if r == 0 else None, br_total))]
@@ -560,6 +572,7 @@ def main() -> None:
         md = [f"## kvdata loader ({platform.node()}, {os.cpu_count()} CPUs, Python {versions['python']}, "
               f"torch {versions['torch']}, numpy {versions['numpy']}, Pillow {versions['pillow']}, "
               f"mmap_ninja {versions['mmap_ninja']}, litdata {versions['litdata']})", ""]
+        md += [f"- DataLoader workers start with {multiprocessing.get_start_method()!r}"]
         md += [f"- {a.n_images} images {SHAPE[0]}x{SHAPE[1]}x{SHAPE[2]} uint8 ({a.content} content), labels i % 1000, "
                f"batch {BATCH}, shuffled; K={k} short batches, W={w} warm-up + M={a.steady_batches} steady batches, "
                f"{a.repeats} repeats (medians)",
@@ -569,7 +582,7 @@ def main() -> None:
         md += [f"- {x}" for x in notes] + [""]
         md.append(loader_table(f"(a) short: fresh DataLoader, {k} batches incl. worker start-up and shutdown "
                                "(images/s)", "short", rates, ms, workers))
-        md.append(loader_table(f"(b) steady: persistent workers, after {w} warm-up batches, {a.steady_batches} "
+        md.append(loader_table(f"(b) steady: persistent workers, after {w} warm-up batch(es), {a.steady_batches} "
                                "batches (images/s)", "steady", rates, ms, workers))
         mc, b = med(memcpy), med(br)
         threads = min(4, len(os.sched_getaffinity(0)))
