@@ -40,14 +40,19 @@ def cache_root(config: Config) -> Path:
 
 def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
                  compress: bool = True, copy_threads: int | None = None, config: Config | None = None,
-                 engine: Engine | None = None) -> Store:
-    """Open a dataset by path or URL (see module docstring)."""
+                 engine: Engine | None = None, use_daemon: bool = True) -> Store:
+    """Open a dataset by path or URL (see module docstring). When kvdatad answers on its
+    socket, shards come through it (one staged copy for every job on the box)."""
     loc = str(location)
     if mode != "r":
         if is_url(loc):
             raise ReadOnlyError(f"{loc}: remote datasets are read-only here; write a local one and `kvdata push` it")
         return Store(loc, mode, shard_size=shard_size, compress=compress, copy_threads=copy_threads)
     cfg = config if config is not None else load_config()
+    if use_daemon and engine is None:
+        store = _open_through_daemon(loc, cfg, copy_threads)
+        if store is not None:
+            return store
     if not is_url(loc) and not cfg.stage_local and engine is None:
         return Store(loc, "r", copy_threads=copy_threads)
     home = open_home(loc)
@@ -71,6 +76,100 @@ def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_siz
     store.home, store.engine = home, eng
     if own_engine:
         store.on_close(eng.close)
+    store.on_close(home.close)
+    return store
+
+
+class DaemonStager:
+    """The engine interface (locate/announce/progress) served by kvdatad, falling back to
+    an in-process engine if the daemon goes away mid-run (readers never stop)."""
+
+    def __init__(self, client: Any, location: str, home: Home, config: Config) -> None:
+        self.client, self.location, self.home, self.config = client, location, home, config
+        self._fallback: Engine | None = None
+        self._pid = os.getpid()
+
+    def _live(self) -> Any:
+        from .protocol import Client
+
+        if self.client is not None and os.getpid() != self._pid:  # after fork: a connection of our own
+            try:
+                self.client = Client(self.client.path)
+            except KVDataError:
+                self.client = None
+            self._pid = os.getpid()
+        return self.client
+
+    def _engine(self) -> Engine:
+        if self._fallback is None:
+            self._fallback = Engine(self.config)
+        return self._fallback
+
+    def _call(self, t: str, **fields: Any) -> dict[str, Any] | None:
+        from .protocol import DaemonUnavailable
+
+        client = self._live()
+        if client is None:
+            return None
+        try:
+            return client.request(t, dataset=self.location, **fields) if t != "progress" else \
+                client.request(t, **fields)
+        except DaemonUnavailable:
+            self.client = None
+            return None
+
+    def locate(self, home: Home, entry: dict[str, Any]) -> tuple[Path, bool]:
+        reply = self._call("need", shard=int(entry["id"]))
+        if reply is None:
+            return self._engine().locate(home, entry)
+        return Path(reply["path"]), bool(reply["staged"])
+
+    def announce(self, reader: str, home: Home, entries: list[dict[str, Any]], position: int = 0) -> None:
+        if self._call("announce", reader=reader, shards=[int(e["id"]) for e in entries], position=position) is None:
+            self._engine().announce(reader, home, entries, position)
+
+    def progress(self, reader: str, position: int) -> None:
+        if self._call("progress", reader=reader, position=position) is None and self._fallback is not None:
+            self._fallback.progress(reader, position)
+
+    def unpin(self, sha: str) -> None:
+        if self._fallback is not None:
+            self._fallback.unpin(sha)
+
+    def status(self) -> dict[str, Any]:
+        reply = self._call("status") if self.client is not None else None
+        return reply if reply is not None else self._engine().status()
+
+    def close(self) -> None:
+        if self.client is not None and os.getpid() == self._pid:
+            self.client.close()
+        if self._fallback is not None:
+            self._fallback.close()
+
+
+def _open_through_daemon(loc: str, cfg: Config, copy_threads: int | None) -> Store | None:
+    from .protocol import DaemonError, connect
+
+    client = connect(cfg.daemon.socket)
+    if client is None:
+        return None
+    location = loc if is_url(loc) else str(Path(loc).resolve())
+    try:
+        reply = client.request("open", dataset=location)
+    except DaemonError:
+        client.close()
+        raise
+    home = open_home(location)
+    stager = DaemonStager(client, location, home, cfg)
+    try:
+        store = Store(Path(reply["root"]), "r", copy_threads=copy_threads,
+                      shard_locator=lambda e: stager.locate(home, e), max_open_shards=4,
+                      shard_mapped=lambda e: stager.unpin(e["sha256"]))
+    except BaseException:
+        stager.close()
+        raise
+    store.home, store.engine = home, stager
+    store.on_close(stager.close)
     store.on_close(home.close)
     return store
 

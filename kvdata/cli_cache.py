@@ -11,6 +11,23 @@ import click
 from .sizes import format_size
 
 
+def _daemon() -> Any:
+    """A client of kvdatad if it answers, else None (commands then work in-process)."""
+    from .config import load_config
+    from .protocol import connect
+
+    return connect(load_config().daemon.socket)
+
+
+def _location(dataset: str) -> str:
+    """How the daemon names a dataset: a URL, or an absolute path."""
+    from pathlib import Path
+
+    from .remote import is_url
+
+    return dataset if is_url(dataset) else str(Path(dataset).resolve())
+
+
 def _engine() -> Any:
     from .config import load_config
     from .tiers import Engine
@@ -33,8 +50,19 @@ def register(main: click.Group) -> None:
         from .access import open_dataset
         from .progress import progress
 
+        daemon = _daemon()
+        if daemon is not None:  # the daemon stages for everyone and keeps it staged
+            with daemon:
+                r = daemon.request("stage", dataset=_location(dataset), tier=tier, wait=wait)
+            summary = {"dataset": dataset, "shards": r["shards"], "tier": tier, "queued": r["queued"], "daemon": True}
+            if as_json:
+                _json(summary)
+            else:
+                click.echo(f"kvdatad is staging {r['shards']} shards of {dataset}"
+                           + (f" ({r['queued']} still queued)" if r["queued"] else " (all staged)"))
+            return
         eng = _engine()
-        store = open_dataset(dataset, engine=eng)
+        store = open_dataset(dataset, engine=eng, use_daemon=False)
         try:
             entries = store.manifest["shards"]
             if tier is not None:
@@ -65,19 +93,57 @@ def register(main: click.Group) -> None:
         """Drop staged copies of a dataset's shards (never the home; shards being read stay)."""
         from .access import open_dataset
 
-        eng = _engine()
-        store = open_dataset(dataset, engine=eng)
-        try:
-            if tier is not None:
-                eng.config.tier(tier)
-            n = eng.evict(store.manifest["shards"], tier)
-        finally:
-            store.close()
-            eng.close()
+        daemon = _daemon()
+        if daemon is not None:
+            with daemon:
+                n = daemon.request("evict", dataset=_location(dataset), tier=tier)["evicted"]
+        else:
+            eng = _engine()
+            store = open_dataset(dataset, engine=eng, use_daemon=False)
+            try:
+                if tier is not None:
+                    eng.config.tier(tier)
+                n = eng.evict(store.manifest["shards"], tier)
+            finally:
+                store.close()
+                eng.close()
         if as_json:
             _json({"dataset": dataset, "evicted": n})
         else:
             click.echo(f"evicted {n} staged shard copies of {dataset}")
+
+    @main.command()
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+    def status(as_json: bool) -> None:
+        """The cache daemon's state: tiers, hit rate, bytes staged, queue, clients (or the local tiers)."""
+        daemon = _daemon()
+        if daemon is not None:
+            with daemon:
+                st = daemon.request("status")
+            st.pop("id", None)
+            st.pop("ok", None)
+            st["daemon"] = True
+        else:
+            eng = _engine()
+            try:
+                st = eng.status()
+            finally:
+                eng.close()
+            st["daemon"] = False
+        if as_json:
+            _json(st)
+            return
+        click.echo("kvdatad: " + (f"running (pid {st['pid']}, {st['connected_clients']} clients, "
+                                  f"up {st['uptime_seconds']:.0f} s)" if st["daemon"] else "not running (local tiers)"))
+        for t in st["tiers"]:
+            flag = f"  !! {t['problem']}" if t.get("problem") else ""
+            click.echo(f"tier {t['name']:<6} {format_size(t['used']):>10} / {format_size(t['budget']):<10} "
+                       f"{t['shards']:>5} shards  {t['path']}{flag}")
+        rate = "-" if st["hit_rate"] is None else f"{100 * st['hit_rate']:.1f}%"
+        click.echo(f"hit rate {rate} ({st['hits']} hits, {st['misses']} misses), staged {st['shards_staged']} shards / "
+                   f"{format_size(st['bytes_staged'])}, from home {format_size(st['bytes_from_home'])}")
+        click.echo(f"queue {st['in_flight']}, stall {st['stall_seconds']:.1f} s"
+                   + (f", reader stall {st['reader_stall_seconds']:.1f} s" if st["daemon"] else ""))
 
     @main.group()
     def cache() -> None:

@@ -182,6 +182,7 @@ class Engine:
         self.stats = Counters()
         self._pinned: dict[str, float] = {}  # sha -> until when: just staged for a waiting reader
         self._closed = False
+        self._abort = threading.Event()
 
     # ------------------------------------------------------------ budgets and lookup
 
@@ -262,7 +263,7 @@ class Engine:
         if fut.cancelled():
             return
         exc = fut.exception()
-        if exc is not None and not isinstance(exc, _NoRoom):
+        if exc is not None and not isinstance(exc, (_NoRoom, _Aborted)):
             self.stats.errors.append(str(exc))
             del self.stats.errors[:-20]
         elif self.prefetch and not self._closed:
@@ -306,6 +307,8 @@ class Engine:
 
         def sink(chunk: bytes) -> None:
             nonlocal n
+            if self._abort.is_set():
+                raise _Aborted("staging abandoned: the engine is closing")
             sha.update(chunk)
             out.write(chunk)
             n += len(chunk)
@@ -402,6 +405,7 @@ class Engine:
             sizes = {sha: int(k.entry["bytes"]) for sha, k in self._known.items()}
             busy = len(self._inflight)
         pinned = self._pinned_now()
+        self.trim(demands, pinned)
         for tier in reversed(self.tiers):  # fill slow tiers from home first, then promote
             plan = policy.plan_tier(tier.budget, sizes, tier.resident(), demands, in_use=pinned)
             for sha in plan.stage:
@@ -414,6 +418,31 @@ class Engine:
                 busy += 1
 
     # ------------------------------------------------------------ maintenance
+
+    def reconfigure(self, config: Config) -> None:
+        """Swap tiers/budgets (a daemon reload); in-flight jobs finish against the old ones."""
+        tiers = [Tier(t) for t in config.tiers]
+        for t in tiers:
+            t.ensure()
+        with self._lock:
+            self.config = config
+            self.tiers = tiers
+        if self.prefetch:
+            self._replan()
+
+    def trim(self, demands: list[policy.Demand] | None = None, pinned: set[str] | None = None) -> None:
+        """Bring tiers that a burst of need-now reads pushed over budget back under it."""
+        if demands is None:
+            with self._lock:
+                demands = list(self._demands.values())
+        pinned = self._pinned_now() if pinned is None else pinned
+        for tier in self.tiers:
+            resident = tier.resident()
+            if sum(resident.values()) <= tier.budget:
+                continue
+            for victim in policy.plan_eviction(tier.budget, resident, demands, 0, in_use=pinned):
+                if tier.try_evict(victim):
+                    self.stats.evictions += 1
 
     def evict(self, entries: list[dict[str, Any]], tier: str | None = None) -> int:
         """Drop staged copies of these shards (not ones being read); returns how many."""
@@ -443,10 +472,18 @@ class Engine:
                 "evictions": s.evictions, "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight,
                 "readers": len(self._demands), "errors": list(s.errors)}
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop: queued jobs are dropped; running copies finish, or with abort=True stop at
+        their next chunk (their temp files are removed; nothing partial gets a real name)."""
         self._closed = True
+        if abort:
+            self._abort.set()
         self._jobs.shutdown(wait=True, cancel_futures=True)
         self._parts.shutdown(wait=True, cancel_futures=True)
+
+
+class _Aborted(KVDataError):
+    pass
 
 
 class _NoRoom(KVDataError):

@@ -1,0 +1,266 @@
+"""The daemon's state and request handling, without sockets.
+
+`Service` owns the staging engine (kvdata.tiers), the datasets clients opened,
+the readers' announced orders, and the counters `kvdata status` shows. Every
+client input is validated here before it reaches the engine: datasets are
+absolute paths without '..' or NUL, or s3:// / http(s):// URLs; shards are
+integer ids into a manifest whose names are themselves checked, so nothing a
+client sends can make the daemon read or write outside a dataset and its tiers.
+Residency is never cached: the tier directories on disk are the truth, so a
+restarted daemon serves what an earlier one staged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvdata.access import cache_root, mirror
+from kvdata.config import Config
+from kvdata.errors import KVDataError
+from kvdata.remote import Home, open_home
+from kvdata.store import read_manifest
+from kvdata.tiers import Engine
+
+_SHARD_NAME = re.compile(r"^\d{6}\.mdb$")
+_ZST_NAME = re.compile(r"^\d{6}\.mdb\.zst$")
+_INDEX_NAME = re.compile(r"^(samples|records|keys)-\d{8}(-\d{2})?\.bin$")
+MAX_LOCATION = 4096
+MAX_READER = 256
+
+
+class BadRequest(KVDataError):
+    """A request the daemon refuses (bad field, unknown dataset/shard)."""
+
+
+@dataclass
+class OpenDataset:
+    location: str
+    home: Home
+    root: Path
+    manifest: dict[str, Any]
+    staged_all: bool = False  # `kvdata stage` asked for it: keep new generations staged too
+
+
+@dataclass
+class ClientState:
+    id: int
+    pid: int | None = None
+    readers: set[str] = field(default_factory=set)
+    stall_seconds: float = 0.0
+    connected_at: float = field(default_factory=time.time)
+
+
+def check_location(value: Any) -> str:
+    """A dataset location a client may name, or BadRequest."""
+    if not isinstance(value, str) or not value or len(value) > MAX_LOCATION or "\x00" in value:
+        raise BadRequest("dataset must be a non-empty string without NUL bytes")
+    if value.startswith(("s3://", "http://", "https://")):
+        if ".." in value.split("?")[0].split("/")[3:]:
+            raise BadRequest(f"dataset URL {value!r} may not contain '..' segments")
+        return value.rstrip("/")
+    p = Path(value)
+    if not p.is_absolute():
+        raise BadRequest(f"dataset {value!r} must be an absolute path or an s3:// / http(s):// URL")
+    if ".." in p.parts:
+        raise BadRequest(f"dataset path {value!r} may not contain '..'")
+    return str(p)
+
+
+def check_manifest(m: dict[str, Any], where: str) -> None:
+    """Refuse manifests whose file names could point outside the dataset."""
+    for e in m["shards"]:
+        if not _SHARD_NAME.match(str(e["name"])) or (e.get("zst") and not _ZST_NAME.match(str(e["zst"]["name"]))):
+            raise BadRequest(f"{where}: manifest names a shard file {e['name']!r} outside the shard naming rule")
+        if not re.fullmatch(r"[0-9a-f]{64}", str(e["sha256"])):
+            raise BadRequest(f"{where}: manifest has a malformed checksum for {e['name']}")
+    idx = m["index"]
+    for name in [idx["samples"], idx["records"]] + [r["name"] for r in idx["keys"]]:
+        if name is not None and not _INDEX_NAME.match(str(name)):
+            raise BadRequest(f"{where}: manifest names an index file {name!r} outside the naming rule")
+
+
+class Service:
+    """Request handlers; thread-safe (the socket loop runs blocking ones in a pool)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engine = Engine(config)
+        self._lock = threading.RLock()
+        self.datasets: dict[str, OpenDataset] = {}
+        self.clients: dict[int, ClientState] = {}
+        self.started = time.time()
+        self.requests = 0
+        self.bad_requests = 0
+        self.tier_problems: dict[str, str] = {}
+
+    # ------------------------------------------------------------ clients
+
+    def connect(self, cid: int) -> None:
+        with self._lock:
+            self.clients[cid] = ClientState(cid)
+
+    def disconnect(self, cid: int) -> None:
+        """Socket closed = every claim of that client released."""
+        with self._lock:
+            st = self.clients.pop(cid, None)
+        if st is not None:
+            for r in st.readers:
+                self.engine.release(r)
+
+    # ------------------------------------------------------------ datasets
+
+    def _dataset(self, value: Any) -> OpenDataset:
+        loc = check_location(value)
+        with self._lock:
+            ds = self.datasets.get(loc)
+        return ds if ds is not None else self.open_dataset(loc)
+
+    def open_dataset(self, loc: str, refresh: bool = False) -> OpenDataset:
+        with self._lock:
+            old = self.datasets.get(loc)
+        if old is not None and not refresh:
+            return old
+        home = old.home if old is not None else open_home(loc)
+        if home.local_path("") is not None:
+            root = Path(loc)
+            m = read_manifest(root)
+        else:
+            root = mirror(home, cache_root(self.config))
+            m = read_manifest(root)
+        check_manifest(m, loc)
+        self.engine.check_budgets(m["shards"])
+        ds = OpenDataset(loc, home, root, m, staged_all=bool(old and old.staged_all))
+        with self._lock:
+            self.datasets[loc] = ds
+        if ds.staged_all:
+            for e in m["shards"]:
+                self.engine.stage(home, e)
+        return ds
+
+    def _entry(self, ds: OpenDataset, shard: Any) -> dict[str, Any]:
+        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < len(ds.manifest["shards"]):
+            raise BadRequest(f"shard must be an integer id in [0, {len(ds.manifest['shards'])}) of {ds.location}")
+        return ds.manifest["shards"][shard]
+
+    # ------------------------------------------------------------ handlers
+
+    def hello(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
+        from kvdata.protocol import PROTOCOL_VERSION
+
+        pid = msg.get("pid")
+        with self._lock:
+            if cid in self.clients and isinstance(pid, int):
+                self.clients[cid].pid = pid
+        if msg.get("version") != PROTOCOL_VERSION:
+            raise BadRequest(f"protocol version {msg.get('version')!r} is not {PROTOCOL_VERSION}; upgrade kvdata")
+        return {"version": PROTOCOL_VERSION, "pid": os.getpid()}
+
+    def open(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
+        ds = self._dataset(msg.get("dataset"))
+        return {"root": str(ds.root), "generation": ds.manifest["generation"], "shards": len(ds.manifest["shards"])}
+
+    def announce(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
+        ds = self._dataset(msg.get("dataset"))
+        reader = self._reader(cid, msg.get("reader"))
+        shards = msg.get("shards")
+        if not isinstance(shards, list):
+            raise BadRequest("shards must be a list of integer shard ids")
+        entries = [self._entry(ds, s) for s in shards]
+        position = self._position(msg.get("position", 0))
+        with self._lock:
+            self.clients[cid].readers.add(reader)
+        self.engine.announce(reader, ds.home, entries, position)
+        return {}
+
+    def progress(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
+        reader = self._reader(cid, msg.get("reader"))
+        self.engine.progress(reader, self._position(msg.get("position", 0)))
+        stall = msg.get("stall")
+        if isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < 1e9:
+            with self._lock:
+                self.clients[cid].stall_seconds = float(stall)
+        return {}
+
+    def release(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
+        reader = self._reader(cid, msg.get("reader"))
+        with self._lock:
+            self.clients[cid].readers.discard(reader)
+        self.engine.release(reader)
+        return {}
+
+    def need(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
+        """Blocking: returns once a verified copy exists (run it off the socket loop)."""
+        ds = self._dataset(msg.get("dataset"))
+        entry = self._entry(ds, msg.get("shard"))
+        path, staged = self.engine.locate(ds.home, entry)
+        return {"path": str(path), "staged": staged}
+
+    def stage(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any], list[Future[Path]]]:
+        ds = self._dataset(msg.get("dataset"))
+        tier = msg.get("tier")
+        if tier is not None:
+            if not isinstance(tier, str):
+                raise BadRequest("tier must be a tier name")
+            self.config.tier(tier)
+        ds.staged_all = True
+        futures = [self.engine.stage(ds.home, e, tier) for e in ds.manifest["shards"]]
+        return {"shards": len(futures), "queued": sum(not f.done() for f in futures)}, futures
+
+    def evict(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
+        ds = self._dataset(msg.get("dataset"))
+        tier = msg.get("tier")
+        if tier is not None and not isinstance(tier, str):
+            raise BadRequest("tier must be a tier name")
+        if tier is not None:
+            self.config.tier(tier)
+        ds.staged_all = False
+        return {"evicted": self.engine.evict(ds.manifest["shards"], tier)}
+
+    def status(self, cid: int | None = None, msg: dict[str, Any] | None = None) -> dict[str, Any]:
+        st = self.engine.status()
+        for t in st["tiers"]:
+            problem = self.tier_problems.get(t["name"])
+            if not t["ok"]:
+                problem = problem or "directory missing"
+            t["problem"] = problem
+        with self._lock:
+            clients = [{"id": c.id, "pid": c.pid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
+                       for c in self.clients.values()]
+            datasets = [{"dataset": d.location, "generation": d.manifest["generation"],
+                         "shards": len(d.manifest["shards"])} for d in self.datasets.values()]
+        st.update({"pid": os.getpid(), "uptime_seconds": round(time.time() - self.started, 1),
+                   "clients": clients, "connected_clients": len(clients), "datasets": datasets,
+                   "queue_depth": st["in_flight"], "requests": self.requests, "bad_requests": self.bad_requests,
+                   "reader_stall_seconds": round(sum(c["stall_seconds"] for c in clients), 3)})
+        return st
+
+    def reload(self, config: Config) -> dict[str, Any]:
+        """New tiers and budgets, keeping clients, datasets and announced orders."""
+        self.config = config
+        self.engine.reconfigure(config)
+        return {"tiers": [t.name for t in self.engine.tiers]}
+
+    # ------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _reader(cid: int, value: Any) -> str:
+        if not isinstance(value, str) or not value or len(value) > MAX_READER or "\x00" in value:
+            raise BadRequest("reader must be a short non-empty string")
+        return f"{cid}:{value}"
+
+    @staticmethod
+    def _position(value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BadRequest("position must be a non-negative integer")
+        return value
+
+    def close(self) -> None:
+        self.engine.close()
+
