@@ -98,7 +98,6 @@ class Service:
         self.started = time.time()
         self.requests = 0
         self.bad_requests = 0
-        self.tier_problems: dict[str, str] = {}
 
     # ------------------------------------------------------------ clients
 
@@ -225,11 +224,6 @@ class Service:
 
     def status(self, cid: int | None = None, msg: dict[str, Any] | None = None) -> dict[str, Any]:
         st = self.engine.status()
-        for t in st["tiers"]:
-            problem = self.tier_problems.get(t["name"])
-            if not t["ok"]:
-                problem = problem or "directory missing"
-            t["problem"] = problem
         with self._lock:
             clients = [{"id": c.id, "pid": c.pid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
                        for c in self.clients.values()]

@@ -481,8 +481,9 @@ class Store:
         sizes = np.full(len(pos), -1, dtype=np.int64)
         sizes[rec >= 0] = self._index.records["size"][rec[rec >= 0]]
         tail_at = np.nonzero(rec < 0)[0]
-        for j, v in zip(tail_at.tolist(), self._tail_values(slot[tail_at].tolist())):
-            sizes[j] = len(v) - fmt.RecordHeader(v).head
+        if len(tail_at):
+            for j, v in zip(tail_at.tolist(), self._tail_values(slot[tail_at].tolist())):
+                sizes[j] = len(v) - fmt.RecordHeader(v).head
         out = []
         for p, s, sl, size, (_kind, meta) in zip(pos.tolist(), shard.tolist(), slot.tolist(), sizes.tolist(),
                                                   self._metas(pos)):

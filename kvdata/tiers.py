@@ -54,10 +54,27 @@ class Tier:
         self.name, self.root, self.budget = cfg.name, Path(cfg.path), int(cfg.budget)
         self.dir = self.root / "shards"
         self.locks = self.root / "locks"
+        self.problem: str | None = None   # why the tier is unusable, for status; None when healthy
+        self._problem_until = 0.0
 
     def ensure(self) -> None:
+        """Create the tier's directories (at start only: a directory that vanishes later is
+        reported, not silently recreated on whatever filesystem lies underneath)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self.locks.mkdir(parents=True, exist_ok=True)
+
+    def healthy(self) -> bool:
+        if not self.dir.is_dir():
+            self.problem = "directory missing"
+            return False
+        if self.problem and time.monotonic() < self._problem_until:
+            return False
+        self.problem = None
+        return True
+
+    def fail(self, why: str, seconds: float = 30.0) -> None:
+        self.problem = why
+        self._problem_until = time.monotonic() + seconds
 
     def path(self, sha: str) -> Path:
         return self.dir / f"{sha}.mdb"
@@ -219,13 +236,29 @@ class Engine:
         with self._lock:  # keep it from eviction until the reader has mapped (and locked) it
             self._pinned[sha] = time.monotonic() + PIN_SECONDS
         try:
-            try:
-                path = self.stage(home, entry, need_now=True).result()
-            except _NoRoom:  # we waited on a prefetch of this shard that gave up: a reader needs it now
-                path = self._stage_job(home, entry, self.tiers[0], True)
+            path = self._stage_now(home, entry)
         finally:
             self.stats.stall_seconds += time.monotonic() - t0
         return path, True
+
+    def _stage_now(self, home: Home, entry: dict[str, Any]) -> Path:
+        """Stage into the fastest healthy tier; a tier that fails is reported and skipped."""
+        last: BaseException | None = None
+        for tier in self.tiers:
+            if not tier.healthy():
+                continue
+            try:
+                try:
+                    return self.stage(home, entry, tier.name, need_now=True).result()
+                except _NoRoom:  # we waited on a prefetch of this shard that gave up: a reader needs it now
+                    return self._stage_job(home, entry, tier, True)
+            except _TierFailed as e:
+                last = e
+        local = home.local_path(f"shards/{entry['name']}")
+        if local is not None and local.exists():  # no tier can hold it: read the home in place
+            self.stats.home_reads += 1
+            return local
+        raise last or KVDataError("no cache tier is usable (see `kvdata status`); fix the tier directories")
 
     def unpin(self, sha: str) -> None:
         """The reader has mapped (and reader-locked) the copy: the lock protects it now."""
@@ -263,7 +296,7 @@ class Engine:
         if fut.cancelled():
             return
         exc = fut.exception()
-        if exc is not None and not isinstance(exc, (_NoRoom, _Aborted)):
+        if exc is not None and not isinstance(exc, (_NoRoom, _Aborted, _TierFailed)):
             self.stats.errors.append(str(exc))
             del self.stats.errors[:-20]
         elif self.prefetch and not self._closed:
@@ -274,7 +307,19 @@ class Engine:
         dest = tier.path(sha)
         if dest.exists():
             return dest
-        tier.ensure()
+        if not tier.healthy():
+            raise _TierFailed(f"tier {tier.name!r} is unusable: {tier.problem}")
+        try:
+            return self._stage_locked(home, entry, tier, need_now)
+        except OSError as e:
+            if e.errno in _TIER_ERRNOS:
+                tier.fail(e.strerror or str(e))
+                raise _TierFailed(f"tier {tier.name!r} failed: {e.strerror or e}") from None
+            raise
+
+    def _stage_locked(self, home: Home, entry: dict[str, Any], tier: Tier, need_now: bool) -> Path:
+        sha, size = entry["sha256"], int(entry["bytes"])
+        dest = tier.path(sha)
         with tier.staging_lock(sha):
             if dest.exists():
                 return dest
@@ -338,11 +383,17 @@ class Engine:
         name = f"shards/{z['name']}"
         dobj = zstandard.ZstdDecompressor().decompressobj()
         fetched = 0
-        for part in self._home_bytes(home, name, int(z["bytes"])):
-            fetched += len(part)
-            if part:
-                sink(dobj.decompress(part))
-        self.stats.bytes_from_home += fetched
+        try:
+            for part in self._home_bytes(home, name, int(z["bytes"])):
+                fetched += len(part)
+                if part:
+                    sink(dobj.decompress(part))
+        except zstandard.ZstdError as e:
+            raise ChecksumMismatchError(
+                f"{home.where(name)}: the compressed copy of shard {entry['name']} is damaged ({e}); it was not "
+                "staged. Restore the home copy (kvdata push)") from None
+        finally:
+            self.stats.bytes_from_home += fetched
         return sha.hexdigest(), n
 
     def _home_bytes(self, home: Home, name: str, size: int) -> Iterator[bytes]:
@@ -407,6 +458,8 @@ class Engine:
         pinned = self._pinned_now()
         self.trim(demands, pinned)
         for tier in reversed(self.tiers):  # fill slow tiers from home first, then promote
+            if not tier.healthy():
+                continue
             plan = policy.plan_tier(tier.budget, sizes, tier.resident(), demands, in_use=pinned)
             for sha in plan.stage:
                 if busy >= 2 * self._workers:
@@ -459,10 +512,10 @@ class Engine:
     def status(self) -> dict[str, Any]:
         tiers = []
         for t in self.tiers:
-            ok = t.root.exists()
-            res = t.resident() if ok else {}
+            ok = t.healthy()
+            res = t.resident()
             tiers.append({"name": t.name, "path": str(t.root), "budget": t.budget, "used": sum(res.values()),
-                          "shards": len(res), "ok": ok})
+                          "shards": len(res), "ok": ok, "problem": t.problem})
         s = self.stats
         lookups = s.hits + s.misses
         with self._lock:
@@ -484,6 +537,13 @@ class Engine:
 
 class _Aborted(KVDataError):
     pass
+
+
+class _TierFailed(KVDataError):
+    pass
+
+
+_TIER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO, errno.EPERM}
 
 
 class _NoRoom(KVDataError):
