@@ -52,9 +52,12 @@ def plan_tier(budget: int, sizes: Mapping[str, int], resident: Mapping[str, int]
     in_use = set(in_use)
     need_now = [k for k in need_now if k not in resident]
     nu = next_uses(demands, lookahead)
-    want: list[str] = []
-    acc = 0
+    held = {k for k in resident if k in in_use}   # they stay whatever we plan: they use budget
+    want: list[str] = [k for k in held if k in nu]
+    acc = sum(resident[k] for k in held)
     for key in sorted(nu, key=lambda k: (nu[k], k)):
+        if key in held:
+            continue
         size = sizes.get(key, 0)
         if acc + size > budget:
             break
@@ -81,15 +84,19 @@ def plan_tier(budget: int, sizes: Mapping[str, int], resident: Mapping[str, int]
     return TierPlan(stage=final_stage, evict=evict)
 
 
+def eviction_order(resident: Mapping[str, int], demands: Iterable[Demand], in_use: Iterable[str] = ()) -> list[str]:
+    """Every evictable shard, best victim first: never needed, then furthest next use."""
+    in_use = set(in_use)
+    nu = next_uses(demands)
+    return sorted((k for k in resident if k not in in_use), key=lambda k: (-nu.get(k, INF), k))
+
+
 def plan_eviction(budget: int, resident: Mapping[str, int], demands: Iterable[Demand], incoming: int,
                   in_use: Iterable[str] = ()) -> list[str]:
     """Shards to drop so `incoming` more bytes fit: never-needed first, then furthest next use."""
-    in_use = set(in_use)
-    nu = next_uses(demands)
-    order = sorted((k for k in resident if k not in in_use), key=lambda k: (-nu.get(k, INF), k))
     used = sum(resident.values())
     out = []
-    for k in order:
+    for k in eviction_order(resident, demands, in_use):
         if used + incoming <= budget:
             break
         out.append(k)

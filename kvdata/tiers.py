@@ -117,6 +117,22 @@ class Tier:
                     removed += 1
         return removed
 
+    def held(self, shas: Iterator[str] | list[str]) -> set[str]:
+        """Which of these copies a reader holds (probing with a non-blocking exclusive flock)."""
+        out = set()
+        for sha in shas:
+            try:
+                fd = os.open(self.path(sha), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                out.add(sha)
+            finally:
+                os.close(fd)
+        return out
+
     def try_evict(self, sha: str) -> bool:
         """Delete a copy unless a reader holds it (shared flock); True if gone."""
         p = self.path(sha)
@@ -299,8 +315,8 @@ class Engine:
         if exc is not None and not isinstance(exc, (_NoRoom, _Aborted, _TierFailed)):
             self.stats.errors.append(str(exc))
             del self.stats.errors[:-20]
-        elif self.prefetch and not self._closed:
-            self._replan()
+        elif exc is None and self.prefetch and not self._closed:
+            self._replan()  # after a failure, wait for the next progress/announce to plan again
 
     def _stage_job(self, home: Home, entry: dict[str, Any], tier: Tier, need_now: bool) -> Path:
         sha, size = entry["sha256"], int(entry["bytes"])
@@ -410,13 +426,15 @@ class Engine:
         with self._lock:
             demands = list(self._demands.values())
         resident = tier.resident()
-        for victim in policy.plan_eviction(tier.budget, resident, demands, size, in_use=self._pinned_now()):
+        used = sum(resident.values())
+        # walk the whole candidate list: a victim a reader holds is skipped, the next one tried
+        for victim in policy.eviction_order(resident, demands, in_use=self._pinned_now()):
+            if used + size <= tier.budget:
+                break
             if tier.try_evict(victim):
                 self.stats.evictions += 1
-                resident.pop(victim, None)
-            if sum(resident.values()) + size <= tier.budget:
-                break
-        return need_now or sum(resident.values()) + size <= tier.budget
+                used -= resident[victim]
+        return need_now or used + size <= tier.budget
 
     # ------------------------------------------------------------ order-aware prefetch
 
@@ -460,7 +478,9 @@ class Engine:
         for tier in reversed(self.tiers):  # fill slow tiers from home first, then promote
             if not tier.healthy():
                 continue
-            plan = policy.plan_tier(tier.budget, sizes, tier.resident(), demands, in_use=pinned)
+            resident = tier.resident()
+            in_use = pinned | tier.held(list(resident))
+            plan = policy.plan_tier(tier.budget, sizes, resident, demands, in_use=in_use)
             for sha in plan.stage:
                 if busy >= 2 * self._workers:
                     return
@@ -491,11 +511,13 @@ class Engine:
         pinned = self._pinned_now() if pinned is None else pinned
         for tier in self.tiers:
             resident = tier.resident()
-            if sum(resident.values()) <= tier.budget:
-                continue
-            for victim in policy.plan_eviction(tier.budget, resident, demands, 0, in_use=pinned):
+            used = sum(resident.values())
+            for victim in policy.eviction_order(resident, demands, in_use=pinned):
+                if used <= tier.budget:
+                    break
                 if tier.try_evict(victim):
                     self.stats.evictions += 1
+                    used -= resident[victim]
 
     def evict(self, entries: list[dict[str, Any]], tier: str | None = None) -> int:
         """Drop staged copies of these shards (not ones being read); returns how many."""

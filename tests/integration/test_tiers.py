@@ -502,7 +502,6 @@ HELD_BUG = ("BUG kvdata/tiers.py Engine._make_room (with policy.plan_eviction): 
             "(in_flight never 0, CPU spinning) that never stages the next-needed shards")
 
 
-@pytest.mark.xfail(strict=True, reason=HELD_BUG)
 def test_prefetch_goes_on_around_a_shard_held_by_a_reader(homes: Homes, tmp_path: Path) -> None:
     """A reader maps a shard no announced order needs; the engine must leave it and keep
     prefetching the next-needed shards by evicting others."""
