@@ -148,10 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return 1
     try:
-        return asyncio.run(daemon.run())
+        rc = asyncio.run(daemon.run())
     except KVDataError as e:
         log.error("%s", e)
-        return 1
+        rc = 1
+    # Staging was aborted and the socket removed; a request thread stuck on a hung home
+    # (NFS, a FIFO) must not keep the process alive past SIGTERM.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import socket
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +29,7 @@ MAX_CLIENTS = 1024
 MAX_UNREAD = 8 << 20        # bytes of replies a client may leave unread before it is dropped
 DRAIN_TIMEOUT = 30.0
 BLOCKING = {"open", "need", "stage", "evict"}
+PER_CLIENT_BLOCKING = 4     # a client's slow requests (a hung NFS home...) cannot take the whole pool
 
 
 class Server:
@@ -38,6 +40,7 @@ class Server:
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._limits: dict[int, asyncio.Semaphore] = {}
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755 if self.group else 0o700)
@@ -58,6 +61,8 @@ class Server:
     def _remove_stale_socket(self) -> None:
         if not self.path.exists() and not self.path.is_symlink():
             return
+        if self.path.is_symlink() or not stat.S_ISSOCK(self.path.lstat().st_mode):
+            raise KVDataError(f"{self.path} exists and is not a socket; remove it or pass another --socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(self.path))
@@ -91,6 +96,8 @@ class Server:
             writer.close()
             return
         self.service.connect(cid)
+        limit = asyncio.Semaphore(PER_CLIENT_BLOCKING)
+        self._limits[cid] = limit
         try:
             while True:
                 try:
@@ -113,6 +120,7 @@ class Server:
         except asyncio.CancelledError:
             pass
         finally:
+            self._limits.pop(cid, None)
             self.service.disconnect(cid)
             writer.close()
             if task is not None:
@@ -158,7 +166,8 @@ class Server:
         svc = self.service
         loop = asyncio.get_running_loop()
         if t == "stage":
-            result, futures = await loop.run_in_executor(self._pool, svc.stage, cid, msg)
+            async with self._limits.get(cid) or asyncio.Semaphore(1):
+                result, futures = await loop.run_in_executor(self._pool, svc.stage, cid, msg)
             if msg.get("wait"):
                 await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
                 result["queued"] = 0
@@ -169,5 +178,6 @@ class Server:
             return await loop.run_in_executor(self._pool, self._reload)
         handler = getattr(svc, t)
         if t in BLOCKING:
-            return await loop.run_in_executor(self._pool, handler, cid, msg)
+            async with self._limits.get(cid) or asyncio.Semaphore(1):
+                return await loop.run_in_executor(self._pool, handler, cid, msg)
         return handler(cid, msg)

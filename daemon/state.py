@@ -195,9 +195,26 @@ class Service:
         return {}
 
     def need(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
-        """Blocking: returns once a verified copy exists (run it off the socket loop)."""
+        """Blocking: returns once a verified copy exists (run it off the socket loop).
+
+        The client names the shard by id and by the sha256 its manifest has: if the
+        daemon's view of the dataset is older or newer than the client's, it re-reads
+        the home; it never serves a copy with another checksum."""
         ds = self._dataset(msg.get("dataset"))
-        entry = self._entry(ds, msg.get("shard"))
+        want = msg.get("sha256")
+        if want is not None and (not isinstance(want, str) or not re.fullmatch(r"[0-9a-f]{64}", want)):
+            raise BadRequest("sha256 must be 64 lowercase hex digits")
+        shard = msg.get("shard")
+        known = isinstance(shard, int) and not isinstance(shard, bool) and 0 <= shard < len(ds.manifest["shards"])
+        if want is not None and (not known or ds.manifest["shards"][shard]["sha256"] != want):
+            ds = self.open_dataset(ds.location, refresh=True)
+            match = [e for e in ds.manifest["shards"] if e["sha256"] == want]
+            if not match:
+                raise BadRequest(f"shard {shard} of {ds.location} is not at the home any more (generation "
+                                 f"{ds.manifest['generation']}); reopen the dataset")
+            entry = match[0]
+        else:
+            entry = self._entry(ds, shard)
         path, staged = self.engine.locate(ds.home, entry)
         return {"path": str(path), "staged": staged}
 

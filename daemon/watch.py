@@ -56,6 +56,7 @@ class Watcher:
             if loc not in self._watched and ds.home.local_path("") is not None and Path(loc).is_dir():
                 self._observer.schedule(_Handler(self._event), loc, recursive=False)
                 self._watched.add(loc)
+                self._debounce(str(Path(loc) / "manifest.json"))  # a change before the watch existed
         self._poll = self.loop.call_later(1.0, self._sync_datasets)
 
     def _event(self, path: str) -> None:  # watchdog thread: only hand over to the loop

@@ -61,7 +61,8 @@ def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_siz
     try:
         root = mirror(home, cache_root(cfg)) if is_url(loc) else Path(loc)
         store = Store(root, "r", copy_threads=copy_threads, shard_locator=lambda e: eng.locate(home, e),
-                      max_open_shards=_max_open(eng, root), shard_mapped=lambda e: eng.unpin(e["sha256"]))
+                      max_open_shards=_max_open(eng, root), shard_mapped=lambda e: eng.unpin(e["sha256"]),
+                      shards_needed=lambda es: eng.start_many(home, es))
     except BaseException:
         if own_engine:
             eng.close()
@@ -106,7 +107,8 @@ class DaemonStager:
         return self._fallback
 
     def _call(self, t: str, **fields: Any) -> dict[str, Any] | None:
-        from .protocol import DaemonUnavailable
+        """The daemon's reply, or None when it is gone or refuses (the caller then works in-process)."""
+        from .protocol import DaemonError, DaemonUnavailable
 
         client = self._live()
         if client is None:
@@ -117,12 +119,16 @@ class DaemonStager:
         except DaemonUnavailable:
             self.client = None
             return None
+        except DaemonError:
+            return None
 
     def locate(self, home: Home, entry: dict[str, Any]) -> tuple[Path, bool]:
-        reply = self._call("need", shard=int(entry["id"]))
-        if reply is None:
-            return self._engine().locate(home, entry)
-        return Path(reply["path"]), bool(reply["staged"])
+        reply = self._call("need", shard=int(entry["id"]), sha256=entry["sha256"])
+        if reply is not None:
+            path, staged = Path(reply["path"]), bool(reply["staged"])
+            if not staged or path.name == f"{entry['sha256']}.mdb":  # the copy this manifest names
+                return path, staged
+        return self._engine().locate(home, entry)
 
     def announce(self, reader: str, home: Home, entries: list[dict[str, Any]], position: int = 0) -> None:
         if self._call("announce", reader=reader, shards=[int(e["id"]) for e in entries], position=position) is None:
@@ -190,6 +196,11 @@ def mirror(home: Home, root: Path) -> Path:
     local = root / hashlib.sha256(home.url.encode()).hexdigest()[:24]
     (local / "index").mkdir(parents=True, exist_ok=True)
     data = home.read("manifest.json")
+    try:
+        if (local / "manifest.json").read_bytes() == data:  # same generation, already verified
+            return local
+    except FileNotFoundError:
+        pass
     m = fmt.parse_manifest(data, home.where("manifest.json"))
     if int(m["tail"]["records"]):
         raise CorruptDatasetError(f"{home.where('manifest.json')}: the dataset has unsealed records; push it again")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 
@@ -58,3 +60,28 @@ def unlink_quiet(path: str | os.PathLike[str]) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """Bytes of a regular file of at most `limit` bytes: a FIFO, device or /dev/zero symlink
+    in a dataset must not hang or exhaust a reader (or the daemon)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise IsADirectoryError(errno.EINVAL, "not a regular file", str(path))
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def is_regular(path: str | os.PathLike[str]) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False

@@ -11,7 +11,7 @@ and "id"; each gets exactly one reply {"id", "ok": true, ...} or
 | open     | dataset (abs path, s3://, http(s)://)           | root (local manifest+index), generation, shards |
 | announce | dataset, reader, shards [int ids in order], position | -                       |
 | progress | reader, position, stall (seconds, cumulative)   | -                            |
-| need     | dataset, shard (int id)                         | path (a verified staged copy)|
+| need     | dataset, shard (int id), sha256 (its checksum in the client's manifest) | path, staged |
 | release  | reader                                          | -                            |
 | stage    | dataset, tier (optional), wait (bool)           | shards, queued               |
 | evict    | dataset, tier (optional)                        | evicted                      |

@@ -55,7 +55,7 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self._start = 0        # where the next __iter__ begins (set by load_state_dict)
         self._yielded = 0      # position reached by the current iterator
-        self._cache: tuple[int, np.ndarray] | None = None
+        self._cache: list[tuple[int, np.ndarray]] = []
 
     def __len__(self) -> int:
         return self.num_samples
@@ -70,12 +70,15 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's sample indices for an epoch, in order (numpy, computed once per epoch)."""
-        e = self.epoch if epoch is None else int(epoch)
-        if self._cache is not None and self._cache[0] == e:
-            return self._cache[1]
+        return self._order_of(self.epoch if epoch is None else int(epoch))
+
+    def _order_of(self, e: int) -> np.ndarray:
+        for cached_e, mine in self._cache:
+            if cached_e == e:
+                return mine
         full = order_mod.epoch_order(self._groups, self.seed, e, self.window, self.shuffle)
         mine = order_mod.rank_share(full, self.rank, self.world_size, self.drop_last)
-        self._cache = (e, mine)
+        self._cache = (self._cache + [(e, mine)])[-2:]  # this epoch and the next
         return mine
 
     def shard_order(self, epoch: int | None = None) -> np.ndarray:
@@ -112,7 +115,10 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         def position(i: int) -> int:
             return max(0, int(pos[min(i, len(pos) - 1)]) - lag)
 
-        announce(self._reader, seq.tolist(), position(start))
+        # the next epoch's order is known too (a pure function of seed and epoch): announcing
+        # it lets eviction keep what the next epoch reads first instead of flushing at the boundary
+        following = order_mod.first_use_order(self._shards[self._order_of(self.epoch + 1)]) if self.shuffle else seq
+        announce(self._reader, seq.tolist() + following.tolist(), position(start))
         last = [position(start)]
 
         def step(i: int) -> None:

@@ -19,11 +19,13 @@ import numpy as np
 
 from . import format as fmt
 from .batching import Copier
+from .fsutil import read_regular
 from .errors import ClosedError, CorruptDatasetError, MissingShardError, NotADatasetError, ReadOnlyError
 from .index import Index
 from .shards import ENVS, SealedShard, open_tail_for_read
 
 MANIFEST = "manifest.json"
+MAX_MANIFEST = 1 << 30
 _HEAD_MASK = fmt.MAX_HEAD
 _PLAN_CACHE_MAX = 4096
 # Values at least this large get an madvise(WILLNEED) over their exact byte range
@@ -39,7 +41,9 @@ ShardLocator = Callable[[dict], "tuple[Path, bool]"]
 def read_manifest(root: Path) -> dict[str, Any]:
     path = root / MANIFEST
     try:
-        data = path.read_bytes()
+        data = read_regular(path, MAX_MANIFEST)
+    except IsADirectoryError:
+        raise CorruptDatasetError(f"{path} is not a regular file; run `kvdata reindex {root}`") from None
     except FileNotFoundError:
         if not root.exists():
             raise NotADatasetError(
@@ -78,7 +82,8 @@ class Store:
     def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
                  compress: bool = True, shard_locator: ShardLocator | None = None,
                  copy_threads: int | None = None, readahead: bool = True, max_open_shards: int = 16,
-                 shard_mapped: Callable[[dict], None] | None = None) -> None:
+                 shard_mapped: Callable[[dict], None] | None = None,
+                 shards_needed: Callable[[list[dict]], None] | None = None) -> None:
         if mode not in ("r", "a", "w"):
             raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")
         self.root = Path(root)
@@ -91,6 +96,7 @@ class Store:
         # keep only the most recently used few mapped, so tiers can turn over.
         self._max_open = max_open_shards if shard_locator is not None else None
         self._shard_mapped = shard_mapped  # told once a staged copy is mapped and reader-locked
+        self._shards_needed = shards_needed  # told of a batch's unmapped shards before they are mapped
         self._tail_env: Any = None
         self._closed = False
         self._plans: dict[bytes, fmt.Plan] = {}
@@ -323,6 +329,9 @@ class Store:
     def _touch(self, shard_ids: list[int]) -> None:
         """Mark shards as just used, and unmap the least recently used beyond max_open_shards
         (their memory stays valid for views already handed out; only the lock is dropped)."""
+        cold = [self._entries[s] for s in shard_ids if self._shard_handles[s] is None]
+        if len(cold) > 1 and self._shards_needed is not None:
+            self._shards_needed(cold)
         for s in shard_ids:
             h = self._shard_handles[s] or self._open_sealed(s)
             self._sealed.move_to_end(self._entries[s]["sha256"])

@@ -19,6 +19,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import queue
 import secrets
 import shutil
 import threading
@@ -35,12 +36,13 @@ from . import policy
 from .codec import CHUNK
 from .config import Config, TierConfig
 from .errors import ConfigError, KVDataError
-from .fsutil import fsync_dir, unlink_quiet
+from .fsutil import fsync_dir, is_regular, unlink_quiet
 from .remote import Home, RemoteError
 from .sizes import format_size
 
 
 PIN_SECONDS = 5.0
+EVICT_GRACE = 2.0
 
 
 class ChecksumMismatchError(KVDataError):
@@ -133,13 +135,17 @@ class Tier:
                 os.close(fd)
         return out
 
-    def try_evict(self, sha: str) -> bool:
-        """Delete a copy unless a reader holds it (shared flock); True if gone."""
+    def try_evict(self, sha: str, grace: float = 0.0) -> bool:
+        """Delete a copy unless a reader holds it (shared flock) or it was staged less than
+        `grace` seconds ago (a reader in another process may be about to map it); True if gone."""
         p = self.path(sha)
         try:
             fd = os.open(p, os.O_RDONLY)
         except FileNotFoundError:
             return True
+        if grace and time.time() - os.fstat(fd).st_mtime < grace:
+            os.close(fd)
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -214,8 +220,12 @@ class Engine:
         self._known: dict[str, _Known] = {}
         self.stats = Counters()
         self._pinned: dict[str, float] = {}  # sha -> until when: just staged for a waiting reader
+        self._own: set[str] = set()  # copies this engine staged: its pins cover them, no grace needed
         self._closed = False
         self._abort = threading.Event()
+        self._plan_event = threading.Event()
+        self._planner: threading.Thread | None = None
+        self._planner_pid = -1
 
     # ------------------------------------------------------------ budgets and lookup
 
@@ -257,6 +267,18 @@ class Engine:
             self.stats.stall_seconds += time.monotonic() - t0
         return path, True
 
+    def start_many(self, home: Home, entries: list[dict[str, Any]]) -> None:
+        """A batch needs these shards now: start staging every one that is not anywhere yet,
+        concurrently, so the reader waits for the slowest instead of the sum."""
+        tier = next((t for t in self.tiers if t.healthy()), None)
+        if tier is None:
+            return
+        for e in entries:
+            if self.fastest_copy(e["sha256"]) is None and (home.local_path("") is None or self.config.stage_local):
+                with self._lock:
+                    self._pinned[e["sha256"]] = time.monotonic() + PIN_SECONDS
+                self.stage(home, e, tier.name, need_now=True)
+
     def _stage_now(self, home: Home, entry: dict[str, Any]) -> Path:
         """Stage into the fastest healthy tier; a tier that fails is reported and skipped."""
         last: BaseException | None = None
@@ -275,6 +297,10 @@ class Engine:
             self.stats.home_reads += 1
             return local
         raise last or KVDataError("no cache tier is usable (see `kvdata status`); fix the tier directories")
+
+    def _grace(self, sha: str) -> float:
+        """Copies another process staged get a short grace (its reader may be about to map them)."""
+        return 0.0 if sha in self._own else EVICT_GRACE
 
     def unpin(self, sha: str) -> None:
         """The reader has mapped (and reader-locked) the copy: the lock protects it now."""
@@ -344,14 +370,9 @@ class Engine:
             tmp = tier.dir / f".{sha}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
             try:
                 with open(tmp, "wb") as f:
-                    digest, n = self._copy_verified(home, entry, tier, f)
+                    self._copy_verified(home, entry, tier, f)
                     f.flush()
                     os.fsync(f.fileno())
-                if n != size or digest != sha:
-                    raise ChecksumMismatchError(
-                        f"{home.where('shards/' + entry['name'])}: shard {entry['name']} has sha256 {digest[:16]}... "
-                        f"({n} bytes), the manifest says {sha[:16]}... ({size} bytes); it was not staged. "
-                        "Restore the home copy (kvdata verify/push)")
                 os.replace(tmp, dest)
                 fsync_dir(tier.dir)
             except BaseException:
@@ -359,62 +380,94 @@ class Engine:
                 raise
         self.stats.shards_staged += 1
         self.stats.bytes_staged += size
+        with self._lock:
+            self._own.add(sha)
         return dest
 
-    def _copy_verified(self, home: Home, entry: dict[str, Any], target: Tier, out: BinaryIO) -> tuple[str, int]:
-        """Write the shard's uncompressed bytes to `out` from the fastest source; (sha256, size)."""
-        sha = hashlib.sha256()
-        n = 0
+    def _copy_verified(self, home: Home, entry: dict[str, Any], target: Tier, out: BinaryIO) -> None:
+        """Write the shard's uncompressed bytes to `out` from the fastest source, verified.
 
-        def sink(chunk: bytes) -> None:
-            nonlocal n
-            if self._abort.is_set():
-                raise _Aborted("staging abandoned: the engine is closing")
-            sha.update(chunk)
-            out.write(chunk)
-            n += len(chunk)
-
+        From another tier or an uncompressed home file: sha256 of the bytes written. From
+        a .zst: the sha256 of the compressed object (as push recorded it), zstd's own
+        frame checksum of the content, and the exact size -- which together prove the
+        bytes are the shard the manifest names, at a fraction of the cost; decompression
+        and hashing/writing run on two threads.
+        """
+        where = home.where(f"shards/{entry['name']}")
         for t in self.tiers:  # promotion: a complete copy in another tier
             if t is not target and t.has(entry["sha256"]):
                 try:
                     with open(t.path(entry["sha256"]), "rb") as f:
-                        while chunk := f.read(CHUNK):
-                            sink(chunk)
-                    return sha.hexdigest(), n
+                        self._check(where, entry, *self._hash_copy(iter(lambda: f.read(CHUNK), b""), out))
+                    return
                 except FileNotFoundError:  # evicted meanwhile: fall through to the next source
-                    sha, n = hashlib.sha256(), 0
                     out.seek(0)
                     out.truncate()
         local = home.local_path(f"shards/{entry['name']}")
-        if local is not None and local.exists():
+        if local is not None and is_regular(local):
             with open(local, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    sink(chunk)
+                digest, n = self._hash_copy(iter(lambda: f.read(CHUNK), b""), out)
             self.stats.bytes_from_home += n
-            return sha.hexdigest(), n
+            self._check(where, entry, digest, n)
+            return
         z = entry.get("zst")
         if not z:
-            raise RemoteError(f"{home.where('shards/' + entry['name'] + '.zst')}: the home has no compressed copy "
-                              "of this shard; push the dataset again")
+            raise RemoteError(f"{where}.zst: the home has no compressed copy of this shard; push the dataset again")
         name = f"shards/{z['name']}"
+        zsha = hashlib.sha256()
         dobj = zstandard.ZstdDecompressor().decompressobj()
-        fetched = 0
+        fetched = n = 0
+        writer = _Writer(out, self._abort)
         try:
             for part in self._home_bytes(home, name, int(z["bytes"])):
                 fetched += len(part)
                 if part:
-                    sink(dobj.decompress(part))
+                    zsha.update(part)
+                    data = dobj.decompress(part)
+                    n += len(data)
+                    writer.put(data)
+            writer.finish()
+            if not dobj.eof:
+                raise zstandard.ZstdError("the stream ends before its frame does")
         except zstandard.ZstdError as e:
             raise ChecksumMismatchError(
                 f"{home.where(name)}: the compressed copy of shard {entry['name']} is damaged ({e}); it was not "
                 "staged. Restore the home copy (kvdata push)") from None
         finally:
+            writer.finish()
             self.stats.bytes_from_home += fetched
+        if zsha.hexdigest() != z["sha256"] or fetched != int(z["bytes"]):
+            raise ChecksumMismatchError(
+                f"{home.where(name)}: shard {entry['name']}'s compressed copy has sha256 {zsha.hexdigest()[:16]}... "
+                f"({fetched} bytes), the manifest says {z['sha256'][:16]}... ({z['bytes']} bytes); it was not staged. "
+                "Restore the home copy (kvdata push)")
+        if n != int(entry["bytes"]):
+            raise ChecksumMismatchError(f"{where}: decompressed to {n} bytes, the manifest says {entry['bytes']}; not staged")
+
+    def _hash_copy(self, chunks: Iterator[bytes], out: BinaryIO) -> tuple[str, int]:
+        sha = hashlib.sha256()
+        n = 0
+        for chunk in chunks:
+            if self._abort.is_set():
+                raise _Aborted("staging abandoned: the engine is closing")
+            sha.update(chunk)
+            out.write(chunk)
+            n += len(chunk)
         return sha.hexdigest(), n
+
+    @staticmethod
+    def _check(where: str, entry: dict[str, Any], digest: str, n: int) -> None:
+        if digest != entry["sha256"] or n != int(entry["bytes"]):
+            raise ChecksumMismatchError(
+                f"{where}: shard {entry['name']} has sha256 {digest[:16]}... ({n} bytes), the manifest says "
+                f"{entry['sha256'][:16]}... ({entry['bytes']} bytes); it was not staged. Restore the home copy "
+                "(kvdata verify/push)")
 
     def _home_bytes(self, home: Home, name: str, size: int) -> Iterator[bytes]:
         local = home.local_path(name)
         if local is not None:
+            if not is_regular(local):
+                raise RemoteError(f"{local} is missing or not a regular file at the home")
             with open(local, "rb") as f:
                 while chunk := f.read(CHUNK):
                     yield chunk
@@ -431,7 +484,7 @@ class Engine:
         for victim in policy.eviction_order(resident, demands, in_use=self._pinned_now()):
             if used + size <= tier.budget:
                 break
-            if tier.try_evict(victim):
+            if tier.try_evict(victim, grace=self._grace(victim)):
                 self.stats.evictions += 1
                 used -= resident[victim]
         return need_now or used + size <= tier.budget
@@ -461,10 +514,29 @@ class Engine:
             self._demands.pop(reader, None)
 
     def _replan(self) -> None:
-        try:
-            self._replan_once()
-        except RuntimeError:  # the pools shut down meanwhile (engine or interpreter closing)
-            pass
+        """Ask the planner thread to plan (coalesced): readers' threads never plan or scan."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._planner is None or self._planner_pid != os.getpid():
+                self._planner = threading.Thread(target=self._plan_loop, name="kvdata-planner", daemon=True)
+                self._planner_pid = os.getpid()
+                self._planner.start()
+        self._plan_event.set()
+
+    def _plan_loop(self) -> None:
+        while not self._closed:
+            self._plan_event.wait()
+            self._plan_event.clear()
+            if self._closed:
+                return
+            try:
+                self._replan_once()
+            except RuntimeError:  # the pools shut down meanwhile (engine or interpreter closing)
+                return
+            except Exception as e:  # keep planning; the reader path stages on demand anyway
+                self.stats.errors.append(f"planner: {e}")
+                del self.stats.errors[:-20]
 
     def _replan_once(self) -> None:
         with self._lock:
@@ -515,7 +587,7 @@ class Engine:
             for victim in policy.eviction_order(resident, demands, in_use=pinned):
                 if used <= tier.budget:
                     break
-                if tier.try_evict(victim):
+                if tier.try_evict(victim, grace=self._grace(victim)):
                     self.stats.evictions += 1
                     used -= resident[victim]
 
@@ -526,7 +598,7 @@ class Engine:
             if tier is not None and t.name != tier:
                 continue
             for e in entries:
-                if t.has(e["sha256"]) and t.try_evict(e["sha256"]):
+                if t.has(e["sha256"]) and t.try_evict(e["sha256"], grace=0):
                     n += 1
                     self.stats.evictions += 1
         return n
@@ -553,12 +625,53 @@ class Engine:
         self._closed = True
         if abort:
             self._abort.set()
+        self._plan_event.set()
+        if self._planner is not None and self._planner_pid == os.getpid():
+            self._planner.join(timeout=10)
         self._jobs.shutdown(wait=True, cancel_futures=True)
         self._parts.shutdown(wait=True, cancel_futures=True)
 
 
 class _Aborted(KVDataError):
     pass
+
+
+class _Writer:
+    """Writes chunks to a file on its own thread (hashlib/zstd/file I/O release the GIL,
+    so decompression and writing overlap); bounded so memory stays small."""
+
+    def __init__(self, out: BinaryIO, abort: threading.Event) -> None:
+        self._out, self._abort = out, abort
+        self._q: "queue.Queue[bytes | None]" = queue.Queue(maxsize=8)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvdata-stage-write", daemon=True)
+        self._thread.start()
+        self._done = False
+
+    def _run(self) -> None:
+        try:
+            while (chunk := self._q.get()) is not None:
+                if self._error is None:
+                    self._out.write(chunk)
+        except BaseException as e:
+            self._error = e
+            while self._q.get() is not None:  # drain so the producer never blocks
+                pass
+
+    def put(self, chunk: bytes) -> None:
+        if self._abort.is_set():
+            raise _Aborted("staging abandoned: the engine is closing")
+        if self._error is not None:
+            raise self._error
+        self._q.put(chunk)
+
+    def finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._q.put(None)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class _TierFailed(KVDataError):

@@ -411,10 +411,6 @@ def test_sigterm_during_staging_exits_0_and_leaves_no_partials(kit: Kit) -> None
     assert len(real) < len(shas), "SIGTERM landed while staging (else this test proves little)"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG daemon/server.py Server._remove_stale_socket: any existing path that refuses a connection is "
-    "unlinked, so --socket (or [daemon] socket) naming an existing regular file deletes that file and listens "
-    "in its place (expected: only a stale socket is removed; any other file is refused with an error and kept)"))
 def test_socket_path_that_is_a_regular_file_is_not_deleted(kit: Kit) -> None:
     import stat
 
@@ -615,12 +611,6 @@ def test_client_that_never_reads_replies_does_not_block_others(kit: Kit) -> None
         greedy.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG daemon/server.py Server._handle (+ daemon/state.py Service.open_dataset): every blocking request "
-    "(open/need/stage/evict) of every client runs in one shared 16-thread pool with no per-client limit or "
-    "timeout; `open` of a path whose manifest.json is a FIFO blocks its thread forever in read_manifest, so 16 "
-    "such requests from one client make every other client's open/need hang (expected: an error reply for a "
-    "manifest that is not a regular file, or at least no starvation of other clients)"))
 def test_blocking_requests_of_one_client_do_not_starve_others(kit: Kit) -> None:
     home = build_dataset(kit.root / "home", n=24)
     trap = kit.root / "trap"
@@ -643,11 +633,6 @@ def test_blocking_requests_of_one_client_do_not_starve_others(kit: Kit) -> None:
             r.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG daemon/server.py Server.stop / daemon/__main__.py Daemon.run: a request thread blocked in a read "
-    "that never ends (open of a dataset whose manifest.json is a FIFO) keeps kvdatad from exiting on SIGTERM: "
-    "the request pool's non-daemon threads are joined at interpreter exit and nothing interrupts the read "
-    "(expected: exit 0 within seconds of SIGTERM, as systemd's stop timeout assumes)"))
 def test_sigterm_exits_even_with_a_request_stuck_in_a_read(kit: Kit) -> None:
     trap = kit.root / "trap"
     trap.mkdir()
@@ -729,11 +714,6 @@ def test_new_generation_at_a_watched_home_is_staged(kit: Kit) -> None:
     assert d.terminate() == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG daemon/watch.py Watcher._sync_datasets: a home the daemon opens is only watched from the next "
-    "once-a-second poll on, and installing the watch does not compare the manifest's generation, so a new "
-    "generation committed in between is never noticed (status keeps the old generation, the new shards are "
-    "never staged; expected: staged within a few seconds like any later change)"))
 def test_home_changed_right_after_the_daemon_opened_it_is_noticed(kit: Kit) -> None:
     home = build_dataset(kit.root / "home", n=64)
     d = kit.daemon()  # its first poll for homes to watch comes 1 s after it listens
@@ -746,12 +726,6 @@ def test_home_changed_right_after_the_daemon_opened_it_is_noticed(kit: Kit) -> N
     wait_for(lambda: d.tier("ram")["shards"] == len(new["shards"]), 4, "the new generation's shards staged")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG daemon/state.py Service.open/_dataset/need (+ kvdata/access.py DaemonStager._call): `open` returns "
-    "the daemon's cached manifest generation without re-reading the home, and `need` resolves the reader's "
-    "shard id against that cached manifest; a reader that opens a local home right after an append (before "
-    "the watcher's refresh) has the new manifest, so `need` of a new shard fails with DaemonError "
-    "'shard must be an integer id in [0, n)' and the read raises (expected: the new samples are read)"))
 def test_reader_opening_right_after_an_append_reads_the_new_samples(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
     home = build_dataset(kit.root / "home", n=64)
     d = kit.daemon()
@@ -770,12 +744,6 @@ def test_reader_opening_right_after_an_append_reads_the_new_samples(kit: Kit, mo
             assert all(same(v, i) for i, v in enumerate(vals))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG daemon/state.py Service.need (+ kvdata/access.py DaemonStager.locate): `need` names shards by id and "
-    "the daemon resolves the id against its cached manifest; after a dataset is rewritten at a watched local "
-    "home, a reader that opens before the watcher's refresh is handed the OLD generation's staged copy for "
-    "each id (same size, different sha256) and silently reads stale samples (expected: the copy whose name is "
-    "the sha256 in the reader's manifest, or an error; DaemonStager.locate never checks the returned name)"))
 def test_reader_right_after_a_rewrite_is_never_served_stale_copies(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
     home = kit.root / "home"
     with kvdata.open(home, "w", shard_size="64KB") as s:

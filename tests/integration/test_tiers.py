@@ -155,7 +155,7 @@ def test_every_home_serves_the_source_samples(kind: str, homes: Homes, tmp_path:
         v = st["k00042"]
         assert v["noise"].tobytes() == sample(42)["noise"].tobytes() and int(v["label"]) == 42 % 7
         status = st.engine.status()
-    assert status["shards_staged"] == len(src.entries) and status["errors"] == []
+    assert status["shards_staged"] == len(src.entries) and status["errors"] == [], status
     assert 0 < status["bytes_from_home"] < sum(int(e["bytes"]) for e in src.entries)  # fetched compressed
     staged = check_tier_files(cfg)
     assert set().union(*staged.values()) == {e["sha256"] for e in src.entries}
