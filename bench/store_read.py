@@ -115,6 +115,9 @@ def image_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
          "lmdb txn.get (copy)": (lmdb_get, "into out"),
          "lmdb buffers=True": (lambda idx: lmdb_get(idx, True), "into out"),
          "kvdata get_many + copy into out": (kv_copy, "into out"),
+         # the API for stacked batches: one copy per sample into `out`, split across copy threads
+         f"kvdata get_batch into out ({st._copier.threads} copy threads)":
+             (lambda idx: st.get_batch(idx, fields=["image"], alloc=lambda shape, dtype: out)["image"], "into out"),
          "kvdata get_many + np.stack": (lambda idx: np.stack([r["image"] for r in st.get_many(idx)]), "new array")}
     if ninja_np is not None:
         nin = ninja_np.open_existing(root / "ninja")

@@ -68,6 +68,7 @@ _SCALAR_CODES = {"int": F_INT, "uint": F_UINT, "float": F_FLOAT, "bool": F_BOOL,
 _I8 = struct.Struct("<q")
 _U8 = struct.Struct("<Q")
 _F8 = struct.Struct("<d")
+_U1 = np.dtype(np.uint8)
 
 
 def _pack_scalar(key: str, name: str, v: Any) -> tuple[str, bytes]:
@@ -272,7 +273,8 @@ def make_plan(layout: list) -> Plan:
         elif code in _SCALAR_CODES:
             steps.append((name, _SCALAR_CODES[code], None, None, off, nbytes))
         else:
-            steps.append((name, F_ARRAY, np.dtype(code), tuple(shape), off, nbytes))
+            dt = np.dtype(code)
+            steps.append((name, F_ARRAY, _U1 if dt == _U1 else dt, tuple(shape), off, nbytes))
     return tuple(steps)
 
 
@@ -282,7 +284,7 @@ def decode_plan(plan: Plan, u8: np.ndarray, mv: Any, base: int, copy: bool) -> d
     for name, kind, dt, shape, off, n in plan:
         a = base + off
         if kind == F_ARRAY:
-            arr = u8[a:a + n].view(dt).reshape(shape)
+            arr = u8[a:a + n].reshape(shape) if dt is _U1 else u8[a:a + n].view(dt).reshape(shape)
             out[name] = arr.copy() if copy else arr
         elif kind == F_INT:
             out[name] = _I8.unpack_from(mv, a)[0]
