@@ -218,6 +218,23 @@ class Service:
         path, staged = self.engine.locate(ds.home, entry)
         return {"path": str(path), "staged": staged}
 
+    def want(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
+        """A reader's batch needs these shards now: start staging them together (not awaited;
+        its `need`s then wait for the slowest, not the sum)."""
+        ds = self._dataset(msg.get("dataset"))
+        shards = msg.get("shards")
+        if not isinstance(shards, list) or len(shards) > 4096:
+            raise BadRequest("shards must be a list of [id, sha256] pairs")
+        entries = []
+        for item in shards:
+            if not isinstance(item, list) or len(item) != 2:
+                raise BadRequest("shards must be a list of [id, sha256] pairs")
+            e = self._entry(ds, item[0])
+            if e["sha256"] == item[1]:  # a stale id is left to `need`, which re-reads the home
+                entries.append(e)
+        self.engine.start_many(ds.home, entries)
+        return {"started": len(entries)}
+
     def stage(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any], list[Future[Path]]]:
         ds = self._dataset(msg.get("dataset"))
         tier = msg.get("tier")

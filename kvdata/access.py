@@ -130,6 +130,10 @@ class DaemonStager:
                 return path, staged
         return self._engine().locate(home, entry)
 
+    def start_many(self, home: Home, entries: list[dict[str, Any]]) -> None:
+        if self._call("want", shards=[[int(e["id"]), e["sha256"]] for e in entries]) is None:
+            self._engine().start_many(home, entries)
+
     def announce(self, reader: str, home: Home, entries: list[dict[str, Any]], position: int = 0) -> None:
         if self._call("announce", reader=reader, shards=[int(e["id"]) for e in entries], position=position) is None:
             self._engine().announce(reader, home, entries, position)
@@ -169,8 +173,9 @@ def _open_through_daemon(loc: str, cfg: Config, copy_threads: int | None) -> Sto
     stager = DaemonStager(client, location, home, cfg)
     try:
         store = Store(Path(reply["root"]), "r", copy_threads=copy_threads,
-                      shard_locator=lambda e: stager.locate(home, e), max_open_shards=4,
-                      shard_mapped=lambda e: stager.unpin(e["sha256"]))
+                      shard_locator=lambda e: stager.locate(home, e), max_open_shards=8,
+                      shard_mapped=lambda e: stager.unpin(e["sha256"]),
+                      shards_needed=lambda es: stager.start_many(home, es))
     except BaseException:
         stager.close()
         raise

@@ -12,6 +12,7 @@ and "id"; each gets exactly one reply {"id", "ok": true, ...} or
 | announce | dataset, reader, shards [int ids in order], position | -                       |
 | progress | reader, position, stall (seconds, cumulative)   | -                            |
 | need     | dataset, shard (int id), sha256 (its checksum in the client's manifest) | path, staged |
+| want     | dataset, shards [[int id, sha256], ...]         | started (staging begun now, not awaited) |
 | release  | reader                                          | -                            |
 | stage    | dataset, tier (optional), wait (bool)           | shards, queued               |
 | evict    | dataset, tier (optional)                        | evicted                      |
@@ -39,7 +40,7 @@ from .errors import KVDataError
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 << 20
 HEADER = struct.Struct(">I")
-TYPES = ("hello", "open", "announce", "progress", "need", "release", "stage", "evict", "status", "reload")
+TYPES = ("hello", "open", "announce", "progress", "need", "want", "release", "stage", "evict", "status", "reload")
 
 
 class ProtocolError(KVDataError):
