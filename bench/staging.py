@@ -389,8 +389,9 @@ class EngineSim:
     """Replays kvdata.tiers.Engine's decisions with unit-size shards and instant staging.
 
     Modelled on the engine as of this script: ShardShuffleSampler announces each epoch's
-    shard_order (first-use order) and reports progress = newest first-touched shard -
-    (window - 1). Every progress change and every successful stage runs _replan: trim (walk
+    shard_order (first-use order) followed by the next epoch's (known from the seed, so a
+    shard can appear twice: its next use is its first occurrence at or after the position)
+    and reports progress = newest first-touched shard - (window - 1). Every progress change and every successful stage runs _replan: trim (walk
     policy.eviction_order down to the budget), then policy.plan_tier with in_use = need-now
     pins + shards readers hold (Tier.held), at most 2*workers stages per round. Every stage
     runs _make_room: walk the eviction order, skipping shards a reader holds, until it fits;
@@ -408,8 +409,8 @@ class EngineSim:
     asserts equality (the self-check does so for every decision).
     """
 
-    def __init__(self, B: int, split: bool = False, check: int = 0, workers: int = 3) -> None:
-        self.B, self.split, self.check, self.workers = B, split, check, workers
+    def __init__(self, B: int, split: bool = False, check: int = 0, workers: int = 3, lookahead: int = 16) -> None:
+        self.B, self.split, self.check, self.workers, self.lookahead = B, split, check, workers, lookahead
         self.max_open = max_open(B)
         self.R: set[int] = set()
         self.pins: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -424,9 +425,17 @@ class EngineSim:
         self.fetches = self.evictions = self.noroom = self.checked = self.max_over = 0
 
     # -- the policy, fast
+    def _next(self, y: int) -> int:
+        """Index of y's next use at or after the position, -1 if none (a shard appears at most
+        twice in an announced sequence: this epoch, then the next)."""
+        for i in self.idx.get(y, ()):
+            if i >= self.pos:
+                return i
+        return -1
+
     def _push(self, y: int) -> None:
-        i = self.idx.get(y, -1)
-        if i < self.pos:
+        i = self._next(y)
+        if i < 0:
             heapq.heappush(self.P, (y, y))
         else:
             heapq.heappush(self.N, (-i, y))
@@ -440,7 +449,8 @@ class EngineSim:
         aside: list[tuple[list[tuple[int, int]], tuple[int, int]]] = []
         held = self._held()
         seen: set[int] = set(held)  # plan_eviction(in_use=...) skips them
-        R, idx, pos = self.R, self.idx, self.pos
+        R = self.R
+        nxt = self._next
         pop = heapq.heappop
         if not demands:
             while len(got) < k and self.A:
@@ -455,7 +465,7 @@ class EngineSim:
             while len(got) < k and P:
                 ent = pop(P)
                 y = ent[1]
-                if y in R and y not in seen and idx.get(y, -1) < pos:
+                if y in R and y not in seen and nxt(y) < 0:
                     got.append((P, ent))
                     seen.add(y)
                 elif y in held:
@@ -463,7 +473,7 @@ class EngineSim:
             while len(got) < k and N:
                 ent = pop(N)
                 y = ent[1]
-                if y in R and y not in seen and idx.get(y, -1) == -ent[0] >= pos:
+                if y in R and y not in seen and nxt(y) == -ent[0] >= 0:
                     got.append((N, ent))
                     seen.add(y)
                 elif y in held:
@@ -504,19 +514,24 @@ class EngineSim:
             held = {y for y in self._held() if y in self.R}
             quota = self.B - len(held)
             stage = []
-            for y in itertools.islice(self.seq, self.pos, None):
+            seen: set[int] = set()
+            for dist, y in enumerate(itertools.islice(self.seq, self.pos, None)):
                 if quota <= 0:
                     break
-                if y in held:
+                if y in held or y in seen:
                     continue
+                seen.add(y)
                 quota -= 1
+                if dist >= self.lookahead:  # plan_tier fetches only within the lookahead
+                    continue
                 if y not in self.R:
                     stage.append(y)
             if self.checked < self.check:
                 self.checked += 1
                 sizes = {y: 1 for y in self.seq}
                 real = policy.plan_tier(self.B, sizes, {r: 1 for r in self.R},
-                                        [policy.Demand(self.seq_t, self.pos)], in_use=self._held()).stage
+                                        [policy.Demand(self.seq_t, self.pos)], in_use=self._held(),
+                                        lookahead=self.lookahead).stage
                 assert real == stage, (real, stage)
             done = False
             for y in stage[:2 * self.workers]:
@@ -532,12 +547,14 @@ class EngineSim:
     # -- the reader
     def announce(self, seq: list[int], position: int) -> None:
         self.seq, self.seq_t = seq, tuple(seq)
-        self.idx = {y: i for i, y in enumerate(seq)}
+        self.idx = {}
+        for i, y in enumerate(seq):
+            self.idx.setdefault(y, []).append(i)
         self.pos = position
         self.P, self.N = [], []
         for y in self.R:
-            i = self.idx.get(y, -1)
-            if i < self.pos:
+            i = self._next(y)
+            if i < 0:
                 self.P.append((y, y))
             else:
                 self.N.append((-i, y))
@@ -549,18 +566,19 @@ class EngineSim:
         self._replan()
 
     def progress(self, p: int) -> None:
-        for q in range(self.pos, p):
+        old, self.pos = self.pos, p
+        for q in range(old, p):
             y = self.seq[q]
             if y in self.R:
-                heapq.heappush(self.P, (y, y))
-        self.pos = p
+                self._push(y)  # passed: never needed again, or needed in the next epoch
         self._replan()
 
     def run(self, tr: Trace) -> dict[str, Any]:
         misses, fetches = [], []
-        for ep, fu, pos in zip(tr.epochs, tr.first_use, tr.pos):
+        for e, (ep, fu, pos) in enumerate(zip(tr.epochs, tr.first_use, tr.pos)):
             f0 = self.fetches
-            self.announce(fu, pos[0] if pos else 0)
+            following = list(tr.first_use[e + 1]) if e + 1 < len(tr.first_use) else []
+            self.announce(list(fu) + following, pos[0] if pos else 0)
             m = 0
             for x, p in zip(ep, pos):
                 if p != self.pos:

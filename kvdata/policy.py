@@ -46,12 +46,15 @@ def plan_tier(budget: int, sizes: Mapping[str, int], resident: Mapping[str, int]
               in_use: Iterable[str] = (), need_now: Iterable[str] = (), lookahead: int | None = None) -> TierPlan:
     """Stage/evict actions that move a tier toward holding the nearest-needed shards.
 
-    `need_now` shards are staged even if nothing can be evicted (a reader is waiting:
-    progress beats the budget by at most those shards, so there is no deadlock).
+    Only shards within `lookahead` steps of a reader are fetched ahead of time; the rest of
+    the budget keeps residents in next-use order (Belady). Prefetching the whole budget ahead
+    would evict shards the next epoch reads first -- the seed tells us which -- only to fetch
+    them again. `need_now` shards are staged even if nothing can be evicted (a reader is
+    waiting: progress beats the budget by at most those shards, so there is no deadlock).
     """
     in_use = set(in_use)
     need_now = [k for k in need_now if k not in resident]
-    nu = next_uses(demands, lookahead)
+    nu = next_uses(demands)
     held = {k for k in resident if k in in_use}   # they stay whatever we plan: they use budget
     want: list[str] = [k for k in held if k in nu]
     acc = sum(resident[k] for k in held)
@@ -64,7 +67,8 @@ def plan_tier(budget: int, sizes: Mapping[str, int], resident: Mapping[str, int]
         want.append(key)
         acc += size
     want_set = set(want)
-    stage = [k for k in need_now] + [k for k in want if k not in resident and k not in need_now]
+    stage = [k for k in need_now] + [k for k in want if k not in resident and k not in need_now
+                                     and (lookahead is None or nu[k] < lookahead)]
     evictable = [k for k in resident if k not in want_set and k not in in_use]
     evictable.sort(key=lambda k: (-nu.get(k, INF), k))  # never-needed first, then furthest
     used = sum(resident.values())

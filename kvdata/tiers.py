@@ -204,13 +204,16 @@ class Engine:
     """Stages shards into tiers on demand and ahead of announced orders."""
 
     def __init__(self, config: Config, *, workers: int = 3, part_size: int = 8 << 20, parts_in_flight: int = 8,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, lookahead: int = 16) -> None:
+        """lookahead: shards fetched ahead of a reader (two windows of the default sampler);
+        the rest of each budget keeps what is needed soonest, e.g. the next epoch's first shards."""
         self.config = config
         self.tiers = [Tier(t) for t in config.tiers]
         for t in self.tiers:
             t.ensure()
             t.clean_partials()
         self.part_size, self.parts_in_flight, self.prefetch = part_size, parts_in_flight, prefetch
+        self.lookahead = lookahead
         self._parts = ThreadPoolExecutor(max(4, parts_in_flight * workers), thread_name_prefix="kvdata-part")
         self._jobs = ThreadPoolExecutor(workers, thread_name_prefix="kvdata-stage")
         self._workers = workers
@@ -219,6 +222,7 @@ class Engine:
         self._demands: dict[str, policy.Demand] = {}
         self._known: dict[str, _Known] = {}
         self.stats = Counters()
+        self._stats_lock = threading.Lock()
         self._pinned: dict[str, float] = {}  # sha -> until when: just staged for a waiting reader
         self._own: set[str] = set()  # copies this engine staged: its pins cover them, no grace needed
         self._closed = False
@@ -251,20 +255,20 @@ class Engine:
         self._known.setdefault(sha, _Known(home, entry))
         p = self.fastest_copy(sha)
         if p is not None:
-            self.stats.hits += 1
+            self._count("hits", 1)
             return p, True
         local = home.local_path(f"shards/{entry['name']}")
         if local is not None and not self.config.stage_local and local.exists():
-            self.stats.home_reads += 1
+            self._count("home_reads", 1)
             return local, False
-        self.stats.misses += 1
+        self._count("misses", 1)
         t0 = time.monotonic()
         with self._lock:  # keep it from eviction until the reader has mapped (and locked) it
             self._pinned[sha] = time.monotonic() + PIN_SECONDS
         try:
             path = self._stage_now(home, entry)
         finally:
-            self.stats.stall_seconds += time.monotonic() - t0
+            self._count("stall_seconds", time.monotonic() - t0)
         return path, True
 
     def start_many(self, home: Home, entries: list[dict[str, Any]]) -> None:
@@ -294,13 +298,18 @@ class Engine:
                 last = e
         local = home.local_path(f"shards/{entry['name']}")
         if local is not None and local.exists():  # no tier can hold it: read the home in place
-            self.stats.home_reads += 1
+            self._count("home_reads", 1)
             return local
         raise last or KVDataError("no cache tier is usable (see `kvdata status`); fix the tier directories")
 
     def _grace(self, sha: str) -> float:
         """Copies another process staged get a short grace (its reader may be about to map them)."""
         return 0.0 if sha in self._own else EVICT_GRACE
+
+    def _count(self, name: str, amount: float) -> None:
+        """Counters are bumped from several staging threads: `+=` on them is not atomic."""
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + amount)
 
     def unpin(self, sha: str) -> None:
         """The reader has mapped (and reader-locked) the copy: the lock protects it now."""
@@ -378,8 +387,8 @@ class Engine:
             except BaseException:
                 unlink_quiet(tmp)
                 raise
-        self.stats.shards_staged += 1
-        self.stats.bytes_staged += size
+        self._count("shards_staged", 1)
+        self._count("bytes_staged", size)
         with self._lock:
             self._own.add(sha)
         return dest
@@ -407,7 +416,7 @@ class Engine:
         if local is not None and is_regular(local):
             with open(local, "rb") as f:
                 digest, n = self._hash_copy(iter(lambda: f.read(CHUNK), b""), out)
-            self.stats.bytes_from_home += n
+            self._count("bytes_from_home", n)
             self._check(where, entry, digest, n)
             return
         z = entry.get("zst")
@@ -435,7 +444,7 @@ class Engine:
                 "staged. Restore the home copy (kvdata push)") from None
         finally:
             writer.finish()
-            self.stats.bytes_from_home += fetched
+            self._count("bytes_from_home", fetched)
         if zsha.hexdigest() != z["sha256"] or fetched != int(z["bytes"]):
             raise ChecksumMismatchError(
                 f"{home.where(name)}: shard {entry['name']}'s compressed copy has sha256 {zsha.hexdigest()[:16]}... "
@@ -485,7 +494,7 @@ class Engine:
             if used + size <= tier.budget:
                 break
             if tier.try_evict(victim, grace=self._grace(victim)):
-                self.stats.evictions += 1
+                self._count("evictions", 1)
                 used -= resident[victim]
         return need_now or used + size <= tier.budget
 
@@ -552,7 +561,7 @@ class Engine:
                 continue
             resident = tier.resident()
             in_use = pinned | tier.held(list(resident))
-            plan = policy.plan_tier(tier.budget, sizes, resident, demands, in_use=in_use)
+            plan = policy.plan_tier(tier.budget, sizes, resident, demands, in_use=in_use, lookahead=self.lookahead)
             for sha in plan.stage:
                 if busy >= 2 * self._workers:
                     return
@@ -588,7 +597,7 @@ class Engine:
                 if used <= tier.budget:
                     break
                 if tier.try_evict(victim, grace=self._grace(victim)):
-                    self.stats.evictions += 1
+                    self._count("evictions", 1)
                     used -= resident[victim]
 
     def evict(self, entries: list[dict[str, Any]], tier: str | None = None) -> int:
@@ -600,7 +609,7 @@ class Engine:
             for e in entries:
                 if t.has(e["sha256"]) and t.try_evict(e["sha256"], grace=0):
                     n += 1
-                    self.stats.evictions += 1
+                    self._count("evictions", 1)
         return n
 
     def status(self) -> dict[str, Any]:
