@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from .remote import Home, RemoteError, is_url, open_home
 from .store import Store
 from .tiers import Engine
 
-INDEX_DTYPES = {"samples": fmt.SAMPLE_DTYPE, "records": fmt.RECORD_DTYPE}
+PROGRESS_INTERVAL = 0.05  # seconds between progress reports of one reader to kvdatad
 
 
 def cache_root(config: Config) -> Path:
@@ -89,6 +90,8 @@ class DaemonStager:
         self.client, self.location, self.home, self.config = client, location, home, config
         self._fallback: Engine | None = None
         self._pid = os.getpid()
+        self._paths: dict[str, tuple[Path, bool]] = {}  # sha -> where the daemon last put it
+        self._sent: dict[str, tuple[int, float]] = {}   # reader -> (position, when) last reported
 
     def _live(self) -> Any:
         from .protocol import Client
@@ -123,10 +126,14 @@ class DaemonStager:
             return None
 
     def locate(self, home: Home, entry: dict[str, Any]) -> tuple[Path, bool]:
+        known = self._paths.get(entry["sha256"])
+        if known is not None and known[0].exists():  # still there: map it again without a round trip
+            return known                             # (if it vanishes first, the store asks again)
         reply = self._call("need", shard=int(entry["id"]), sha256=entry["sha256"])
         if reply is not None:
             path, staged = Path(reply["path"]), bool(reply["staged"])
             if not staged or path.name == f"{entry['sha256']}.mdb":  # the copy this manifest names
+                self._paths[entry["sha256"]] = (path, staged)
                 return path, staged
         return self._engine().locate(home, entry)
 
@@ -139,6 +146,12 @@ class DaemonStager:
             self._engine().announce(reader, home, entries, position)
 
     def progress(self, reader: str, position: int) -> None:
+        """Reported at most every PROGRESS_INTERVAL per reader (a socket round trip each)."""
+        now = time.monotonic()
+        last = self._sent.get(reader)
+        if last is not None and now - last[1] < PROGRESS_INTERVAL:
+            return
+        self._sent[reader] = (position, now)
         if self._call("progress", reader=reader, position=position) is None and self._fallback is not None:
             self._fallback.progress(reader, position)
 

@@ -426,15 +426,14 @@ class Engine:
         zsha = hashlib.sha256()
         dobj = zstandard.ZstdDecompressor().decompressobj()
         fetched = n = 0
-        writer = _Writer(out, self._abort)
+        writer = _Writer(out, self._abort, zsha)
         try:
             for part in self._home_bytes(home, name, int(z["bytes"])):
                 fetched += len(part)
                 if part:
-                    zsha.update(part)
                     data = dobj.decompress(part)
                     n += len(data)
-                    writer.put(data)
+                    writer.put(data, part)
             writer.finish()
             if not dobj.eof:
                 raise zstandard.ZstdError("the stream ends before its frame does")
@@ -646,12 +645,13 @@ class _Aborted(KVDataError):
 
 
 class _Writer:
-    """Writes chunks to a file on its own thread (hashlib/zstd/file I/O release the GIL,
-    so decompression and writing overlap); bounded so memory stays small."""
+    """Hashes the compressed stream and writes the decompressed one on its own thread
+    (hashlib, zstd and file I/O release the GIL, so the two halves run on two cores);
+    bounded so memory stays small."""
 
-    def __init__(self, out: BinaryIO, abort: threading.Event) -> None:
-        self._out, self._abort = out, abort
-        self._q: "queue.Queue[bytes | None]" = queue.Queue(maxsize=8)
+    def __init__(self, out: BinaryIO, abort: threading.Event, sha: Any) -> None:
+        self._out, self._abort, self._sha = out, abort, sha
+        self._q: "queue.Queue[tuple[bytes, bytes] | None]" = queue.Queue(maxsize=8)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvdata-stage-write", daemon=True)
         self._thread.start()
@@ -659,20 +659,21 @@ class _Writer:
 
     def _run(self) -> None:
         try:
-            while (chunk := self._q.get()) is not None:
+            while (item := self._q.get()) is not None:
                 if self._error is None:
-                    self._out.write(chunk)
+                    self._out.write(item[0])
+                    self._sha.update(item[1])
         except BaseException as e:
             self._error = e
             while self._q.get() is not None:  # drain so the producer never blocks
                 pass
 
-    def put(self, chunk: bytes) -> None:
+    def put(self, data: bytes, compressed: bytes) -> None:
         if self._abort.is_set():
             raise _Aborted("staging abandoned: the engine is closing")
         if self._error is not None:
             raise self._error
-        self._q.put(chunk)
+        self._q.put((data, compressed))
 
     def finish(self) -> None:
         if not self._done:
