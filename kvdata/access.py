@@ -41,9 +41,12 @@ def cache_root(config: Config) -> Path:
 
 def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
                  compress: bool = True, copy_threads: int | None = None, config: Config | None = None,
-                 engine: Engine | None = None, use_daemon: bool = True) -> Store:
+                 engine: Engine | None = None, use_daemon: bool = True, mirror_root: str | None = None) -> Store:
     """Open a dataset by path or URL (see module docstring). When kvdatad answers on its
-    socket, shards come through it (one staged copy for every job on the box)."""
+    socket, shards come through it (one staged copy for every job on the box).
+
+    mirror_root: an index mirror of this URL that this job already verified (a Dataset hands
+    it to its workers), so a worker opens without asking the home again."""
     loc = str(location)
     if mode != "r":
         if is_url(loc):
@@ -60,7 +63,8 @@ def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_siz
     own_engine = engine is None
     eng = engine if engine is not None else Engine(cfg)
     try:
-        root = mirror(home, cache_root(cfg)) if is_url(loc) else Path(loc)
+        trusted = Path(mirror_root) if mirror_root and (Path(mirror_root) / "manifest.json").exists() else None
+        root = (trusted or mirror(home, cache_root(cfg))) if is_url(loc) else Path(loc)
         store = Store(root, "r", copy_threads=copy_threads, shard_locator=lambda e: eng.locate(home, e),
                       max_open_shards=_max_open(eng, root), shard_mapped=lambda e: eng.unpin(e["sha256"]),
                       shards_needed=lambda es: eng.start_many(home, es))

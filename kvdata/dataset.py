@@ -19,6 +19,7 @@ import torch
 import torch.utils.data
 
 from .access import open_dataset
+from .remote import is_url
 from .store import Store
 
 
@@ -75,6 +76,7 @@ class Dataset(torch.utils.data.Dataset):
         self.fields = list(fields) if fields is not None else None
         self._store: Store | None = None
         self._pid = -1
+        self._mirror: str | None = None
         self._len = len(self.store)
 
     # -- per-process store
@@ -85,8 +87,11 @@ class Dataset(torch.utils.data.Dataset):
         shards served from the fastest tier, staged on demand."""
         if self._store is None or self._pid != os.getpid():
             # in a worker the workers are the parallelism: copy with one thread
-            self._store = open_dataset(self.path, copy_threads=1 if _in_worker() else None)
+            self._store = open_dataset(self.path, copy_threads=1 if _in_worker() else None,
+                                       mirror_root=self._mirror)
             self._pid = os.getpid()
+            if self._mirror is None and is_url(self.path):
+                self._mirror = str(self._store.root)  # workers reuse this verified index mirror
         return self._store
 
     def announce(self, reader: str, shard_ids: Sequence[int], position: int = 0) -> None:
