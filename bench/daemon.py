@@ -513,7 +513,7 @@ def engine_locate_latency(a: argparse.Namespace, tier: Path, budget: int, homes:
     """In-process Engine.locate of the same staged copies (what a reader without the daemon pays), for scale."""
     from kvdata.config import Config, TierConfig
     from kvdata.remote import open_home
-    from kvdata.tiers import Engine
+    from kvdata.engine import Engine
 
     eng = Engine(Config(tiers=(TierConfig("bench", tier, budget),), stage_local=True), prefetch=False)
     hs = [open_home(str(h)) for h in homes]

@@ -138,7 +138,7 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
 
     from kvdata.config import Config, TierConfig
     from kvdata.remote import open_home
-    from kvdata.tiers import Engine
+    from kvdata.engine import Engine
 
     t0 = time.perf_counter()
     src = work / "local-ds"
@@ -386,7 +386,7 @@ def max_open(B: int) -> int:
 
 
 class EngineSim:
-    """Replays kvdata.tiers.Engine's decisions with unit-size shards and instant staging.
+    """Replays kvdata.engine.Engine's decisions with unit-size shards and instant staging.
 
     Modelled on the engine as of this script: ShardShuffleSampler announces each epoch's
     shard_order (first-use order) followed by the next epoch's (known from the seed, so a

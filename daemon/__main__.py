@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from .state import Service
 from .watch import Watcher
 
 log = logging.getLogger("kvdatad")
+SHUTDOWN_WAIT = 5.0
 
 
 def sd_notify(state: str) -> bool:
@@ -107,7 +109,13 @@ class Daemon:
         await self.server.stop()
         if self.metrics is not None:
             self.metrics.stop()
-        self.service.engine.close(abort=True)
+        # Abort staging; a copy stuck in a slow read is abandoned after a bound (its temp file
+        # never gets a real name and is removed at the next start), so SIGTERM always exits.
+        closer = threading.Thread(target=self.service.engine.close, kwargs={"abort": True}, daemon=True)
+        closer.start()
+        closer.join(timeout=SHUTDOWN_WAIT)
+        if closer.is_alive():
+            log.warning("staging did not stop within %.0f s; exiting anyway", SHUTDOWN_WAIT)
         return 0
 
     def _safe_reload(self) -> None:

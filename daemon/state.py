@@ -1,6 +1,6 @@
 """The daemon's state and request handling, without sockets.
 
-`Service` owns the staging engine (kvdata.tiers), the datasets clients opened,
+`Service` owns the staging engine (kvdata.engine), the datasets clients opened,
 the readers' announced orders, and the counters `kvdata status` shows. Every
 client input is validated here before it reaches the engine: datasets are
 absolute paths without '..' or NUL, or s3:// / http(s):// URLs; shards are
@@ -26,7 +26,7 @@ from kvdata.config import Config
 from kvdata.errors import KVDataError
 from kvdata.remote import Home, open_home
 from kvdata.store import read_manifest
-from kvdata.tiers import Engine
+from kvdata.engine import Engine
 
 _SHARD_NAME = re.compile(r"^\d{6}\.mdb$")
 _ZST_NAME = re.compile(r"^\d{6}\.mdb\.zst$")

@@ -29,7 +29,7 @@ from .fsutil import atomic_write
 from .progress import progress as make_progress
 from .remote import Home, RemoteError, is_url, open_home
 from .store import Store
-from .tiers import Engine
+from .engine import Engine
 
 PROGRESS_INTERVAL = 0.05  # seconds between progress reports of one reader to kvdatad
 

@@ -30,7 +30,7 @@ def _location(dataset: str) -> str:
 
 def _engine() -> Any:
     from .config import load_config
-    from .tiers import Engine
+    from .engine import Engine
 
     return Engine(load_config())
 

@@ -129,8 +129,8 @@ def run_demo(workdir: str | None, keep: bool = False, as_json: bool = False) -> 
 def _print_table(summary: dict[str, Any], keep: bool) -> None:
     print("kvdata demo: real images bundled with scikit-learn (8x8 digits; 227x227x3 crops of its two photos),")
     print(f"written, verified and read back in random batches of {BATCH} (warm page cache).\n")
-    print(f"| dataset | samples | bytes/sample | kvdata samples/s | np.memmap samples/s | kvdata / memmap |")
-    print(f"|---|---:|---:|---:|---:|---:|")
+    print("| dataset | samples | bytes/sample | kvdata samples/s | np.memmap samples/s | kvdata / memmap |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in summary["results"]:
         print(f"| {r['dataset']} | {r['samples']} | {r['sample_bytes']} | {r['kvdata_per_s']:,.0f} "
               f"| {r['memmap_per_s']:,.0f} | {r['ratio']:.2f}x |")

@@ -24,6 +24,7 @@ from .batching import Copier
 from .fsutil import read_regular
 from .errors import ClosedError, CorruptDatasetError, MissingShardError, NotADatasetError, ReadOnlyError
 from .index import Index
+from .inspection import Inspection
 from .shards import ENVS, SealedShard, open_tail_for_read
 
 MANIFEST = "manifest.json"
@@ -59,26 +60,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
     return fmt.parse_manifest(data, str(path))
 
 
-class KeysView:
-    """The keys of a store in sample order, read lazily from record headers."""
-
-    def __init__(self, store: "Store") -> None:
-        self._store = store
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-    def __iter__(self) -> Iterator[str]:
-        n = len(self._store)
-        for start in range(0, n, 4096):
-            for _kind, meta in self._store._metas(np.arange(start, min(n, start + 4096))):
-                yield meta["k"]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._store
-
-
-class Store:
+class Store(Inspection):
     """A kvdata dataset. Use kvdata.open() to get one; use it as a context manager."""
 
     def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
@@ -342,7 +324,8 @@ class Store:
         if len(cold) > 1 and self._shards_needed is not None:
             self._shards_needed(cold)
         for s in shard_ids:
-            h = self._shard_handles[s] or self._open_sealed(s)
+            if self._shard_handles[s] is None:
+                self._open_sealed(s)
             self._sealed.move_to_end(self._entries[s]["sha256"])
         while self._max_open is not None and len(self._sealed) > max(self._max_open, len(shard_ids)):
             sha, old = self._sealed.popitem(last=False)
@@ -486,45 +469,6 @@ class Store:
         for start in range(0, n, 256):
             yield from self.get_many(range(start, min(n, start + 256)))
 
-    def keys(self) -> KeysView:
-        self._check_open()
-        return KeysView(self)
-
-    def describe(self, start: int = 0, stop: int | None = None) -> list[dict[str, Any]]:
-        """index, key, shard, slot, label and payload bytes of samples [start, stop), without reading payloads."""
-        self._check_open()
-        stop = len(self) if stop is None else min(stop, len(self))
-        pos = np.arange(start, max(start, stop))
-        shard, slot, rec = self._index.resolve(pos)
-        sizes = np.full(len(pos), -1, dtype=np.int64)
-        sizes[rec >= 0] = self._index.records["size"][rec[rec >= 0]]
-        tail_at = np.nonzero(rec < 0)[0]
-        if len(tail_at):
-            for j, v in zip(tail_at.tolist(), self._tail_values(slot[tail_at].tolist())):
-                sizes[j] = len(v) - fmt.RecordHeader(v).head
-        out = []
-        for p, s, sl, size, (_kind, meta) in zip(pos.tolist(), shard.tolist(), slot.tolist(), sizes.tolist(),
-                                                  self._metas(pos)):
-            out.append({"index": p, "key": meta["k"], "shard": s, "slot": sl, "label": meta.get("l"), "bytes": size})
-        return out
-
-    def key_at(self, index: int) -> str:
-        return self._metas([index])[0][1]["k"]
-
-    def record_info(self, index: int) -> dict[str, Any]:
-        """Metadata of one record (what `kvdata get --json` prints)."""
-        pos = int(self._positions([index])[0])
-        shard, slot, _rec = self._index.resolve(np.array([pos]))
-        kind, meta = self._metas([pos])[0]
-        value = self.get_many([pos])[0]
-        info: dict[str, Any] = {"key": meta["k"], "index": pos, "shard": int(shard[0]), "slot": int(slot[0]),
-                                "label": meta.get("l"), "kind": "bytes" if kind == fmt.KIND_RAW else "fields"}
-        if kind == fmt.KIND_RAW:
-            info["size"] = len(value)
-        else:
-            info["fields"] = {name: _describe(v) for name, v in value.items()}
-        return info
-
     # ------------------------------------------------------------ writes (delegated)
 
     def _w(self) -> Any:
@@ -575,16 +519,6 @@ def _resident(h: SealedShard, start: int, end: int) -> bool:
 @functools.lru_cache(maxsize=1)
 def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
-
-
-def _describe(v: Any) -> dict[str, Any]:
-    if isinstance(v, np.ndarray):
-        return {"type": "array", "dtype": v.dtype.str, "shape": list(v.shape), "nbytes": int(v.nbytes)}
-    if isinstance(v, (bytes, memoryview)):
-        return {"type": "bytes", "nbytes": len(v)}
-    if isinstance(v, str):
-        return {"type": "str", "nbytes": len(v.encode())}
-    return {"type": type(v).__name__, "value": v}
 
 
 def open_store(path: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,

@@ -9,7 +9,6 @@ against the records it points to (key hashes, kinds, labels).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -28,7 +28,8 @@ from kvdata.access import open_dataset
 from kvdata.codec import compress_file
 from kvdata.errors import ConfigError, KVDataError
 from kvdata.remote import open_home
-from kvdata.tiers import ChecksumMismatchError, Engine, Tier
+from kvdata.engine import Engine
+from kvdata.tiers import ChecksumMismatchError, Tier
 
 from servers import (  # noqa: F401  (fixtures are found by name in this module)
     NginxHome,
@@ -541,7 +542,7 @@ STAGER = r"""
 import sys
 from kvdata.access import open_dataset
 from kvdata.config import load_config
-from kvdata.tiers import Engine
+from kvdata.engine import Engine
 
 eng = Engine(load_config(), part_size=2048, workers=2, parts_in_flight=2)
 store = open_dataset(sys.argv[1], engine=eng)
