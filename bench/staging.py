@@ -55,6 +55,8 @@ import numpy as np
 import kvdata
 from kvdata import order as order_mod
 from kvdata import policy
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import drop_caches  # noqa: E402
 
 SHAPE = (227, 227, 3)
 IMG = int(np.prod(SHAPE))  # 154,587 bytes
@@ -107,16 +109,6 @@ def build_dataset(root: Path, n: int, shard_size: str, seed: int, content: str) 
 def shard_entries(root: Path) -> list[dict[str, Any]]:
     with kvdata.open(root) as st:
         return json.loads(json.dumps(st.manifest["shards"]))
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def machine() -> str:

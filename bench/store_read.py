@@ -30,6 +30,8 @@ import lmdb
 import numpy as np
 
 import kvdata
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import drop_caches  # noqa: E402
 
 try:
     from mmap_ninja import numpy as ninja_np
@@ -202,16 +204,6 @@ def measure(methods: dict[str, tuple[Callable, str]], batches: list[np.ndarray],
                 fn(b)
             rates[name].append(total / (time.perf_counter() - t0))
     return rates
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def measure_cold(root: Path, idx: np.ndarray, repeats: int) -> dict[str, list[float]]:

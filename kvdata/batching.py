@@ -1,4 +1,8 @@
-"""Stacking samples into batches: one copy per sample, straight into the batch array."""
+"""Stacking samples into batches: one copy per sample, straight into the batch array.
+
+Array fields of equal shape go into one (N, ...) array copied once from each sample's
+zero-copy view; scalars become a 1-D array; ragged fields, bytes and str stay lists.
+"""
 
 from __future__ import annotations
 
@@ -9,41 +13,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 Alloc = Callable[[tuple, np.dtype], np.ndarray]
-
-
-def stack(samples: Sequence[Any]) -> Any:
-    """Stack a list of records (dicts of arrays/scalars, or bytes) into batch arrays.
-
-    Array fields of equal shape go into one preallocated (N, ...) array, copied
-    once from each sample's zero-copy view; scalars become a 1-D array; fields
-    whose shapes differ (ragged) or bytes/str stay lists.
-    """
-    if not samples:
-        return []
-    first = samples[0]
-    if not isinstance(first, dict):
-        return list(samples)
-    out: dict[str, Any] = {}
-    for name, v in first.items():
-        if isinstance(v, np.ndarray):
-            out[name] = stack_arrays([s[name] for s in samples])
-        elif isinstance(v, (bool, int, float)) and not isinstance(v, str):
-            out[name] = np.array([s[name] for s in samples])
-        else:
-            out[name] = [s[name] for s in samples]
-    return out
-
-
-def stack_arrays(arrays: Sequence[np.ndarray], out: np.ndarray | None = None) -> Any:
-    """(N, ...) array of same-shape arrays (into `out` if given); a list if ragged."""
-    a0 = arrays[0]
-    if any(a.shape != a0.shape or a.dtype != a0.dtype for a in arrays):
-        return list(arrays)
-    if out is None:
-        out = np.empty((len(arrays),) + a0.shape, dtype=a0.dtype)
-    for i, a in enumerate(arrays):
-        out[i] = a
-    return out
 
 
 class Copier:
@@ -71,6 +40,7 @@ class Copier:
 
     def stack_arrays(self, arrays: Sequence[np.ndarray], out: np.ndarray | None = None,
                      alloc: Alloc | None = None) -> Any:
+        """(N, ...) array of same-shape arrays (into `out`, or from `alloc`); a list if ragged."""
         a0 = arrays[0]
         n = len(arrays)
         if any(a.shape != a0.shape or a.dtype != a0.dtype for a in arrays):
@@ -102,10 +72,10 @@ class Copier:
             f.result()
 
     def stack(self, samples: Sequence[Any], alloc: Alloc | None = None) -> Any:
-        """Like stack(), with array fields assembled by stack_arrays above (into
-        arrays from `alloc(shape, dtype)` if given, e.g. shared memory)."""
+        """Records (dicts) as batch columns, array fields assembled by stack_arrays (into
+        arrays from `alloc(shape, dtype)` if given, e.g. shared memory); others as a list."""
         if not samples or not isinstance(samples[0], dict):
-            return stack(samples)
+            return list(samples)
         out = {}
         for name, v in samples[0].items():
             if isinstance(v, np.ndarray):
