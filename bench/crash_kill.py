@@ -11,6 +11,7 @@ dataset would make cycles ever slower), alternating the shard sizes of --shard-s
     python bench/crash_kill.py                         # 1,000 kills, about 10-15 minutes on 2 cores
     python bench/crash_kill.py --kills 30 --seed 7     # a quick look
     python bench/crash_kill.py --dir /data/crash --keep
+    python bench/crash_kill.py --quick --json out.json  # 20 kills, about 15 s; every number as JSON
 
 Exit status 1 if any check failed (verify failure, lost record, dataset that won't open).
 """
@@ -23,11 +24,40 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import crash_check as cc  # noqa: E402
+from _common import machine_info, machine_line, md_table, median, write_json  # noqa: E402
+
+
+def summary_row(name: str, s: Any) -> list[Any]:
+    return [name, s.kills, s.in_commit, s.verify_failures, s.open_failures, s.lost, s.resurrected, s.extra,
+            s.child_errors, f"{median(s.seconds):.3f}" if s.seconds else "-"]
+
+
+def summary_json(s: Any) -> dict[str, Any]:
+    return {"kills": s.kills, "in_commit": s.in_commit, "landed": s.landed, "verify_failures": s.verify_failures,
+            "open_failures": s.open_failures, "lost": s.lost, "resurrected": s.resurrected, "unknown": s.extra,
+            "child_errors": s.child_errors, "modes": s.modes, "files_left": s.where,
+            "median_cycle_s": median(s.seconds), "max_generation": s.max_generation, "live_keys": s.live,
+            "failures": s.failures[:100], "ok": s.ok}
+
+
+def markdown(args: argparse.Namespace, total: Any, by_size: dict[str, Any], seconds: float) -> str:
+    rows = [summary_row(f"shard size {size}", summ) for size, summ in by_size.items() if summ.kills]
+    rows.append(summary_row("**all**", total))
+    return "\n".join([
+        f"## kvdata crash_kill ({machine_line(machine_info(('numpy', 'lmdb', 'kvdata')))})", "",
+        f"{total.kills} SIGKILLs of a writer (seed {args.seed}, a fresh dataset every {args.per_dataset} kills, "
+        f"shard sizes {args.shard_sizes}), {seconds:.0f} s.", "",
+        md_table(["datasets", "kills", "in a commit", "verify failures", "open failures", "lost committed records",
+                  "resurrected", "unknown", "child errors", "median cycle (s)"], rows),
+        "```", total.report(), "```", "",
+        f"Target: 0 lost commits and 0 verify failures: {'met' if total.ok else 'NOT met'}.", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-dataset", type=int, default=50, help="kills per dataset before starting a fresh one")
     ap.add_argument("--shard-sizes", default="64KB,4MB",
                     help="comma-separated shard sizes, one per dataset in turn (default 64KB,4MB)")
+    ap.add_argument("--quick", action="store_true", help="a smoke test: 20 kills, a fresh dataset every 10")
+    ap.add_argument("--json", type=Path, help="also write the summary (and the markdown report) here")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.kills, args.per_dataset = 20, 10
     if args.kills < 1 or args.per_dataset < 1:
         ap.error("--kills and --per-dataset must be at least 1")
     sizes = [s.strip() for s in args.shard_sizes.split(",") if s.strip()]
@@ -82,10 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         if summ.kills:
             print(f"--- shard size {size}: {summ.kills} kills, {summ.in_commit} in a commit, "
                   f"{len(summ.failures)} failed, median cycle {float(np.median(summ.seconds)):.3f} s")
-    print(f"=== all ({time.perf_counter() - t0:.0f} s, seed {args.seed})")
+    seconds = time.perf_counter() - t0
+    print(f"=== all ({seconds:.0f} s, seed {args.seed})")
     print(total.report())
     if total.failures and not args.keep:
         print(f"failing datasets kept under {work}")
+    if args.json:
+        write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
+                               "seconds": seconds, "all": summary_json(total),
+                               "by_shard_size": {k: summary_json(v) for k, v in by_size.items()},
+                               "markdown": markdown(args, total, by_size, seconds)})
     return 0 if total.ok else 1
 
 

@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,9 +44,10 @@ from typing import Any
 
 import numpy as np
 
-SHAPE = (227, 227, 3)
-IMG = int(np.prod(SHAPE))  # 154,587 bytes
-MB = 1e6
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (MB, built, log, machine_info, machine_line, make_images, mark_built,  # noqa: E402
+                     md_table, median as med, quantile_sorted, work_dir, write_image_dataset, write_json)
+
 HERE = Path(__file__).resolve()
 _STRIP_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "KVDATA_SOCKET", "KVDATA_CONFIG", "LISTEN_FDS")
 PROCS: list[subprocess.Popen[bytes]] = []   # every process this script started (cleaned up in finally)
@@ -56,31 +55,8 @@ PROCS: list[subprocess.Popen[bytes]] = []   # every process this script started 
 
 # ====================================================================== common
 
-def med(xs: list[float]) -> float:
-    xs = [x for x in xs if x == x]
-    return statistics.median(xs) if xs else float("nan")
-
-
-def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out) + "\n"
-
-
 def machine() -> str:
-    import zstandard
-
-    try:
-        import torch
-        tv = torch.__version__
-    except ImportError:
-        tv = "missing"
-    return (f"{platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, Python {platform.python_version()}, "
-            f"numpy {np.__version__}, zstandard {zstandard.__version__}, torch {tv}")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    return machine_line(machine_info(("numpy", "lmdb", "zstandard", "torch", "kvdata")))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -145,10 +121,7 @@ def images(rng: np.random.Generator, start: int, n: int, ds_id: int, content: st
     """n images; pixel (0,0) encodes (sample index low byte, high byte, dataset id) so readers can
     check every sample they get. 'photo': a base colour plus 48 noise levels (zstd ~1.15x, like
     raw photo pixels); 'random': incompressible."""
-    if content == "random":
-        out = rng.integers(0, 256, size=(n, *SHAPE), dtype=np.uint8)
-    else:
-        out = rng.integers(0, 208, size=(n, 1, 1, 3), dtype=np.uint8) + rng.integers(0, 48, size=(n, *SHAPE), dtype=np.uint8)
+    out = make_images(rng, n, "random" if content == "random" else "photo")
     idx = np.arange(start, start + n)
     out[:, 0, 0, 0] = idx & 255
     out[:, 0, 0, 1] = (idx >> 8) & 255
@@ -158,32 +131,33 @@ def images(rng: np.random.Generator, start: int, n: int, ds_id: int, content: st
 
 def build(work: Path, ds_id: int, a: argparse.Namespace) -> Path:
     """Dataset ds_id written (sealed, compressed) and pushed to a local home; reused if built with the same params."""
-    import kvdata
-    from kvdata.access import push
+    from kvdata.tiers.push import push
 
     src, home = work / f"ds{ds_id}", work / f"home{ds_id}"
     params = {"n": a.samples, "shard_size": a.shard_size, "seed": a.seed, "content": a.content, "id": ds_id}
     done = work / f"home{ds_id}.DONE.json"
-    if done.exists() and (home / "manifest.json").exists() and json.loads(done.read_text()) == params:
+    if built(done, params, home / "manifest.json") is not None:
         return home.resolve()
     shutil.rmtree(src, ignore_errors=True)
     shutil.rmtree(home, ignore_errors=True)
     done.unlink(missing_ok=True)
     rng = np.random.default_rng([a.seed, ds_id])
-    with kvdata.open(src, "w", shard_size=a.shard_size, compress=True) as st:
-        for start in range(0, a.samples, 256):
-            arr = images(rng, start, min(256, a.samples - start), ds_id, a.content)
-            st.put_many((f"{i:08d}", {"image": img, "label": i}, i % 1000)
-                        for i, img in zip(range(start, start + len(arr)), arr))
-        st.seal()
+    chunks = ((start, images(rng, start, min(256, a.samples - start), ds_id, a.content))
+              for start in range(0, a.samples, 256))
+    write_image_dataset(src, chunks, shard_size=a.shard_size, compress=True,
+                        record=lambda i, img: {"image": img, "label": i})
     push(src, str(home), show=False)
     shutil.rmtree(src, ignore_errors=True)  # readers use the home only
-    done.write_text(json.dumps(params))
+    mark_built(done, params)
     return home.resolve()
 
 
-def shards_of(home: Path) -> list[dict[str, Any]]:
-    return json.loads((home / "manifest.json").read_text())["shards"]
+def shards_of(home: Path) -> list[Any]:
+    """The home's shard entries, as Engine.locate takes them (they also answer e["sha256"], ...)."""
+    import kvdata
+
+    with kvdata.Store(home, "r") as st:  # the manifest only: no daemon, no engine
+        return list(st.manifest["shards"])
 
 
 # ====================================================================== the reader subprocess
@@ -238,7 +212,7 @@ def reader_main(argv: list[str]) -> int:
         dt = time.perf_counter() - te
         w = sorted(waits) or [0.0]
         epochs.append({"samples": n, "seconds": dt, "samples_per_s": n / dt if dt else float("nan"),
-                       "wait_p99_s": w[min(len(w) - 1, int(len(w) * 0.99))], "wait_max_s": w[-1]})
+                       "wait_p99_s": quantile_sorted(w, 0.99), "wait_max_s": w[-1]})
         total += n
     seconds = time.perf_counter() - t0
     wall1 = time.time()
@@ -512,8 +486,8 @@ def latency(a: argparse.Namespace, client: Any, homes: list[Path]) -> dict[str, 
 def engine_locate_latency(a: argparse.Namespace, tier: Path, budget: int, homes: list[Path]) -> dict[str, float]:
     """In-process Engine.locate of the same staged copies (what a reader without the daemon pays), for scale."""
     from kvdata.config import Config, TierConfig
-    from kvdata.remote import open_home
-    from kvdata.engine import Engine
+    from kvdata.tiers.engine import Engine
+    from kvdata.tiers.homes import open_home
 
     eng = Engine(Config(tiers=(TierConfig("bench", tier, budget),), stage_local=True), prefetch=False)
     hs = [open_home(str(h)) for h in homes]
@@ -651,15 +625,13 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.samples, a.shard_size, a.repeats, a.requests, a.status_requests = 96, "4MB", 1, 1000, 200
-    from kvdata.sizes import parse_size
+    from kvdata._util.sizes import parse_size
 
     def on_term(signum: int, frame: Any) -> None:
         raise SystemExit(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
-    made = a.dir is None
-    work = Path(tempfile.mkdtemp(prefix="kvdata-daemon-", dir="/tmp")) if made else a.dir.resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    work, made = work_dir(a.dir.resolve() if a.dir else None, "kvdata-daemon-")
     tier_parent = (a.tier_dir or work).resolve()
     tier_parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -696,8 +668,8 @@ def main() -> None:
                     (work / f"home{d}.DONE.json").unlink(missing_ok=True)
     print(text)
     if a.json:
-        a.json.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "machine": machine(),
-                                      "budget": budget, "verdicts": verdicts, "runs": runs}, indent=1, default=str))
+        write_json(a.json, {"config": {k: str(v) for k, v in vars(a).items()}, "machine": machine_info(),
+                            "budget": budget, "verdicts": verdicts, "runs": runs, "markdown": text})
 
 
 if __name__ == "__main__":

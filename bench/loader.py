@@ -27,14 +27,10 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import multiprocessing
 import os
-import platform
 import shutil
-import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -50,6 +46,10 @@ import torch  # noqa: E402
 import torch.utils.data as tud  # noqa: E402
 
 import kvdata  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (BATCH, IMG, SHAPE, built, dir_bytes, image_chunks, machine_info,  # noqa: E402
+                     machine_line, mark_built, md_table, median as med, rotated, work_dir, write_json)
 
 try:
     from PIL import Image
@@ -69,9 +69,6 @@ except Exception as e:  # pip install litdata; any import failure skips its rows
     litdata = StreamingDataLoader = StreamingDataset = lit_optimize = None
     LITDATA_ERROR = f"{type(e).__name__}: {e}"
 
-SHAPE = (227, 227, 3)
-IMG = int(np.prod(SHAPE))  # 154,587 bytes
-BATCH = 256
 GEN_CHUNK = 128            # images generated per step (fixed: the content depends on it)
 MEMCPY_BYTES = 256 << 20
 TOUCH_STRIDE = 4096        # consume one byte per page of every batch
@@ -82,30 +79,6 @@ KV = "kvdata Dataset"
 
 
 # ----------------------------------------------------------------------------- dataset building
-
-def _interp(n_out: int, n_in: int) -> np.ndarray:
-    x = np.linspace(0, n_in - 1, n_out)
-    i0 = np.floor(x).astype(int).clip(0, n_in - 2)
-    f = (x - i0).astype(np.float32)
-    a = np.zeros((n_out, n_in), np.float32)
-    a[np.arange(n_out), i0] = 1 - f
-    a[np.arange(n_out), i0 + 1] = f
-    return a
-
-
-def make_images(rng: np.random.Generator, count: int, content: str) -> np.ndarray:
-    """`count` seeded images. "smooth": a random 32x32 grid upscaled bilinearly plus +-10 noise
-    (JPEG q90 ~20 KB); "noise": uniform random bytes (JPEG ~50 KB, ~2x slower to decode)."""
-    if content == "noise":
-        return rng.integers(0, 256, size=(count, *SHAPE), dtype=np.uint8)
-    g, h = 32, SHAPE[0]
-    a = _interp(h, g)
-    low = rng.integers(0, 256, size=(count, g, g, 3)).astype(np.float32)
-    tmp = np.matmul(a, low.reshape(count, g, g * 3)).reshape(count, h, g, 3)
-    img = np.matmul(tmp.transpose(0, 1, 3, 2), a.T).transpose(0, 1, 3, 2)
-    img += rng.integers(-10, 11, size=img.shape).astype(np.float32)
-    return np.clip(img, 0, 255).astype(np.uint8)
-
 
 _FLAT_CACHE: dict[str, np.memmap] = {}
 
@@ -127,12 +100,6 @@ def jpeg_path(root: Path, i: int) -> Path:
     return root / "jpeg" / f"{i % 1000:04d}" / f"{i:06d}.jpg"
 
 
-def dir_bytes(p: Path) -> int:
-    if p.is_file():
-        return p.stat().st_size
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
 def build(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     """Write the same n images to every format under root (reused if already built)."""
     n = a.n_images
@@ -140,8 +107,9 @@ def build(root: Path, a: argparse.Namespace) -> dict[str, Any]:
               "jpeg_quality": a.jpeg_quality, "lit_chunk_bytes": a.lit_chunk_bytes,
               "ninja": RaggedMmap is not None, "jpeg": Image is not None, "litdata": litdata is not None}
     done = root / "DONE.json"
-    if done.exists() and json.loads(done.read_text()).get("params") == params:
-        return json.loads(done.read_text())
+    info = built(done, params)
+    if info is not None:
+        return info
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     rng = np.random.default_rng(a.seed)
@@ -152,8 +120,8 @@ def build(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     rm = None
     with open(root / "flat.u8", "wb") as flat, \
             kvdata.open(root / "kvdata", "w", shard_size=a.shard_size, compress=False) as st:
-        for start in range(0, n, GEN_CHUNK):
-            arr = make_images(rng, min(GEN_CHUNK, n - start), a.content)
+        # images are "smooth" (JPEG q90 ~20 KB) or "noise" (JPEG ~50 KB, ~2x slower to decode)
+        for start, arr in image_chunks(rng, n, GEN_CHUNK, a.content):
             idx = range(start, start + len(arr))
             flat.write(arr.tobytes())
             # the label is a record field (what Dataset returns) and the side-index label (BatchReader's)
@@ -183,9 +151,7 @@ def build(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     with kvdata.open(root / "kvdata") as st:
         shards = len(st.manifest["shards"])
     sizes = {f: dir_bytes(root / f) for f in ("flat.u8", "kvdata", "ninja", "jpeg", "litdata") if (root / f).exists()}
-    info = {"params": params, "kvdata_shards": shards, "bytes": sizes}
-    done.write_text(json.dumps(info))
-    return info
+    return mark_built(done, params, kvdata_shards=shards, bytes=sizes)
 
 
 def warm_page_cache(root: Path) -> None:
@@ -424,7 +390,7 @@ def measure_memcpy(times: int = 5) -> float:
         np.copyto(dst, src)
         ts.append(time.perf_counter() - t0)
     del src, dst
-    return MEMCPY_BYTES / statistics.median(ts)
+    return MEMCPY_BYTES / med(ts)
 
 
 def run_batch_reader(path: Path, count: int, flat: np.ndarray | None, sink_total: list[int]) -> float:
@@ -449,28 +415,22 @@ def run_batch_reader(path: Path, count: int, flat: np.ndarray | None, sink_total
         br.close()
 
 
-def rotated(items: list, r: int) -> list:
-    return items[r % len(items):] + items[:r % len(items)]
-
-
 # ----------------------------------------------------------------------------- reporting
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def loader_table(title: str, mode: str, rates: dict, ms: list[Method], workers: list[int]) -> str:
-    head = "| method | sampler + collate |" + "".join(f" nw={w} img/s | vs np.memmap | vs JPEG |" for w in workers)
-    lines = [f"### {title}", "", head, "|---|---|" + "---:|---:|---:|" * len(workers)]
+    head = ["method", "sampler + collate"]
+    for w in workers:
+        head += [f"nw={w} img/s", "vs np.memmap", "vs JPEG"]
+    rows = []
     for m in ms:
-        row = f"| {m.name} | {m.how} |"
+        row = [m.name, m.how]
         for w in workers:
             v = med(rates[m.name][mode][str(w)])
             b = med(rates.get(BASE, {}).get(mode, {}).get(str(w), []))
             j = med(rates.get(JPEG, {}).get(mode, {}).get(str(w), []))
-            row += f" {v:,.0f} | {v / b:.2f}x | {v / j:.1f}x |"
-        lines.append(row)
-    return "\n".join(lines) + "\n"
+            row += [f"{v:,.0f}", f"{v / b:.2f}x", f"{v / j:.1f}x"]
+        rows.append(row)
+    return f"### {title}\n\n" + md_table(head, rows, left=2)
 
 
 def main() -> None:
@@ -508,16 +468,15 @@ def main() -> None:
     if min(a.steady_batches, a.br_batches, a.repeats) < 1:
         raise SystemExit("--steady-batches, --br-batches and --repeats must be >= 1")
     workers = [int(x) for x in a.workers.split(",")]
-    made = a.dir is None
-    d = Path(tempfile.mkdtemp(prefix="kvdata-loader-", dir="/tmp")) if made else a.dir
-    d.mkdir(parents=True, exist_ok=True)
+    d, made = work_dir(a.dir, "kvdata-loader-")
     root = d / "loader"
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+    machine = machine_info(("numpy", "lmdb", "torch", "kvdata", "PIL", "mmap_ninja", "litdata"))
+    versions = {"python": machine["python"], "torch": torch.__version__, "numpy": np.__version__,
                 "kvdata": kvdata.__version__, "pillow": getattr(PIL, "__version__", None),
                 "mmap_ninja": getattr(mmap_ninja, "__version__", None) if mmap_ninja else None,
                 "litdata": getattr(litdata, "__version__", None) if litdata else None}
-    out: dict[str, Any] = {"config": {k_: str(v) for k_, v in vars(a).items()}, "versions": versions,
-                           "K": k, "W": w, "M": a.steady_batches}
+    out: dict[str, Any] = {"config": {k_: str(v) for k_, v in vars(a).items()}, "machine": machine,
+                           "versions": versions, "K": k, "W": w, "M": a.steady_batches}
     try:
         t0 = time.perf_counter()
         info = build(root, a)
@@ -569,9 +528,7 @@ def main() -> None:
         out["batch_reader_images_per_s"] = br
 
         sizes = info["bytes"]
-        md = [f"## kvdata loader ({platform.node()}, {os.cpu_count()} CPUs, Python {versions['python']}, "
-              f"torch {versions['torch']}, numpy {versions['numpy']}, Pillow {versions['pillow']}, "
-              f"mmap_ninja {versions['mmap_ninja']}, litdata {versions['litdata']})", ""]
+        md = [f"## kvdata loader ({machine_line(machine)})", ""]
         md += [f"- DataLoader workers start with {multiprocessing.get_start_method()!r}"]
         md += [f"- {a.n_images} images {SHAPE[0]}x{SHAPE[1]}x{SHAPE[2]} uint8 ({a.content} content), labels i % 1000, "
                f"batch {BATCH}, shuffled; K={k} short batches, W={w} warm-up + M={a.steady_batches} steady batches, "
@@ -618,9 +575,10 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
             if made or not any(d.iterdir()):
                 shutil.rmtree(d, ignore_errors=True)
-    print("\n".join(md))
+    out["markdown"] = "\n".join(md)
+    print(out["markdown"])
     if a.json:
-        a.json.write_text(json.dumps(out, indent=1))
+        write_json(a.json, out)
 
 
 if __name__ == "__main__":

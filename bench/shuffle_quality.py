@@ -17,12 +17,12 @@ used: no dataset is written.
 
     python bench/shuffle_quality.py                          # print the table
     python bench/shuffle_quality.py --write docs/SHUFFLE.md  # and update the table there
+    python bench/shuffle_quality.py --quick --json out.json  # one epoch per row; numbers as JSON
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import sys
 import time
@@ -31,6 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from kvdata import order as om
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, machine_line, md_table, replace_block, write_json  # noqa: E402
 
 BEGIN, END = "<!-- shuffle_quality:begin -->", "<!-- shuffle_quality:end -->"
 
@@ -101,17 +104,15 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
 
 
 def table(rows: list[Row]) -> str:
-    out = ["| window (shards mixed) | class-sorted shards: mean (min) | random-order shards: mean (min) "
-           "| same-shard pairs in one batch |",
-           "|---|---:|---:|---:|"]
-    for name, cells, pairs in rows:
-        out.append(f"| {name} | " + " | ".join(f"{m:.1f} ({lo})" for m, lo in cells) + f" | {100 * pairs:.3g}% |")
-    return "\n".join(out)
+    return md_table(["window (shards mixed)", "class-sorted shards: mean (min)", "random-order shards: mean (min)",
+                     "same-shard pairs in one batch"],
+                    [[name, *(f"{m:.1f} ({lo})" for m, lo in cells), f"{100 * pairs:.3g}%"]
+                     for name, cells, pairs in rows]).rstrip("\n")
 
 
-def block(rows: list[Row], info: dict, args: argparse.Namespace, command: str) -> str:
+def body(rows: list[Row], info: dict, args: argparse.Namespace, command: str) -> str:
+    """The report (what goes between the BEGIN and END markers)."""
     return "\n".join([
-        BEGIN,
         f"Distinct classes per batch of {args.batch}, {args.classes} classes x {args.per_class} samples "
         f"({info['n']:,} samples) in {info['shards']} shards of {args.shard}; "
         f"{info['batches']:,} batches ({args.epochs} epochs, seed {args.seed}). "
@@ -120,19 +121,18 @@ def block(rows: list[Row], info: dict, args: argparse.Namespace, command: str) -
         table(rows),
         "",
         f"Produced by `{command}`.",
-        END,
     ])
 
 
 def write(path: Path, text: str) -> None:
+    """Replace the BEGIN ... END block of a markdown file with text (a new file if there is none)."""
     if path.exists():
-        doc = path.read_text()
-        pat = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-        if not pat.search(doc):
-            raise SystemExit(f"{path} has no {BEGIN} ... {END} block to replace")
-        doc = pat.sub(lambda _: text, doc, count=1)
+        try:
+            doc = replace_block(path.read_text(), BEGIN, END, text)
+        except (KeyError, ValueError) as e:
+            raise SystemExit(f"{path}: {e}") from None
     else:
-        doc = "# Shuffle quality\n\n" + text + "\n"
+        doc = "# Shuffle quality\n\n" + BEGIN + "\n" + text + "\n" + END + "\n"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(doc)
     tmp.replace(path)
@@ -148,16 +148,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=3, help="epochs averaged per row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write", type=Path, metavar="MD", help="replace the table block in this markdown file")
+    p.add_argument("--quick", action="store_true", help="one epoch per row (instead of --epochs)")
+    p.add_argument("--json", type=Path, help="also write the rows (and the markdown report) here")
     args = p.parse_args(argv)
+    if args.quick:
+        args.epochs = 1
     t0 = time.perf_counter()
     rows, info = measure(args)
     command = "python bench/shuffle_quality.py" + "".join(
         " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    text = block(rows, info, args, command)
-    print(text)
-    print(f"\n({time.perf_counter() - t0:.1f}s; slowest epoch plan {info['plan_s']:.2f}s)", file=sys.stderr)
+    text = body(rows, info, args, command)
+    print(BEGIN + "\n" + text + "\n" + END)
+    seconds = time.perf_counter() - t0
+    print(f"\n({seconds:.1f}s; slowest epoch plan {info['plan_s']:.2f}s)", file=sys.stderr)
     if args.write is not None:
         write(args.write, text)
+    if args.json is not None:
+        machine = machine_info(("numpy", "kvdata"))
+        write_json(args.json, {
+            "config": {k: str(v) for k, v in vars(args).items()}, "machine": machine, "seconds": seconds, "info": info,
+            "rows": [{"window": name, "class_sorted_mean": cells[0][0], "class_sorted_min": cells[0][1],
+                      "random_order_mean": cells[1][0], "random_order_min": cells[1][1], "same_shard_pairs": pairs}
+                     for name, cells, pairs in rows],
+            "markdown": f"## kvdata shuffle_quality ({machine_line(machine)})\n\n{text}\n"})
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import heapq
 import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -54,13 +53,12 @@ import numpy as np
 
 import kvdata
 from kvdata import order as order_mod
-from kvdata import policy
+from kvdata.tiers import policy
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import drop_caches  # noqa: E402
+from _common import (IMG, MB, built, drop_caches, image_chunks, machine_info, machine_line,  # noqa: E402
+                     mark_built, md_table, median as med, quantile_sorted, repeat_rotated, work_dir,
+                     write_image_dataset, write_json)
 
-SHAPE = (227, 227, 3)
-IMG = int(np.prod(SHAPE))  # 154,587 bytes
-MB = 1e6
 HERE = Path(__file__).resolve().parent
 NETLAB_SH = HERE.parent.parent / "shared" / "netlab" / "netlab.sh"
 NETLAB_IP = "10.200.0.2"
@@ -68,51 +66,30 @@ NETLAB_IP = "10.200.0.2"
 
 # ====================================================================== common
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def md_table(header: list[str], rows: list[list[Any]], align: str | None = None) -> str:
-    align = align or "|".join(["---"] + ["---:"] * (len(header) - 1))
-    out = ["| " + " | ".join(header) + " |", "|" + align + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out) + "\n"
-
-
-def images(rng: np.random.Generator, n: int, content: str) -> np.ndarray:
-    """n images 227x227x3 uint8. 'photo': a per-image base colour plus 48 noise levels (zstd
-    level 3 gets ~1.2-1.3x, like raw pixels of photos); 'random': incompressible."""
-    if content == "random":
-        return rng.integers(0, 256, size=(n, *SHAPE), dtype=np.uint8)
-    base = rng.integers(0, 208, size=(n, 1, 1, 3), dtype=np.uint8)
-    return base + rng.integers(0, 48, size=(n, *SHAPE), dtype=np.uint8)
-
-
 def build_dataset(root: Path, n: int, shard_size: str, seed: int, content: str) -> dict[str, Any]:
     """A sealed, compressed kvdata dataset of n {"image"} records (reused if built with the same params)."""
     params = {"n": n, "shard_size": shard_size, "seed": seed, "content": content}
     done = root.parent / (root.name + ".DONE.json")
-    if done.exists() and root.exists() and json.loads(done.read_text()) == params:
+    if built(done, params, root) is not None:
         return params
     shutil.rmtree(root, ignore_errors=True)
     done.unlink(missing_ok=True)
-    rng = np.random.default_rng(seed)
-    with kvdata.open(root, "w", shard_size=shard_size, compress=True) as st:
-        for start in range(0, n, 512):
-            arr = images(rng, min(512, n - start), content)
-            st.put_many((f"{i:08d}", {"image": a}, i % 1000) for i, a in zip(range(start, start + len(arr)), arr))
-        st.seal()
-    done.write_text(json.dumps(params))
+    # 'photo': a per-image base colour plus 48 noise levels (zstd level 3 gets ~1.2x, like raw
+    # pixels of photos); 'random': incompressible
+    write_image_dataset(root, image_chunks(np.random.default_rng(seed), n, 512, content),
+                        shard_size=shard_size, compress=True)
+    mark_built(done, params)
     return params
 
 
-def shard_entries(root: Path) -> list[dict[str, Any]]:
-    with kvdata.open(root) as st:
-        return json.loads(json.dumps(st.manifest["shards"]))
+def shard_entries(root: Path) -> list[Any]:
+    """The manifest's shard entries (they also answer e["name"], e["zst"]["bytes"], ...)."""
+    with kvdata.Store(root, "r") as st:  # the manifest only: no daemon, no engine
+        return list(st.manifest["shards"])
 
 
 def machine() -> str:
-    return f"{platform.node()}, Python {platform.python_version()}, numpy {np.__version__}, {os.cpu_count()} CPUs"
+    return machine_line(machine_info())
 
 
 # ====================================================================== local
@@ -129,15 +106,16 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
     import zstandard
 
     from kvdata.config import Config, TierConfig
-    from kvdata.remote import open_home
-    from kvdata.engine import Engine
+    from kvdata.tiers.engine import Engine
+    from kvdata.tiers.homes import open_home
+    from kvdata.tiers.push import push
 
     t0 = time.perf_counter()
     src = work / "local-ds"
     build_dataset(src, a.samples, a.shard_size, a.seed, a.content)
     home = work / "local-home"  # what push leaves: shards as .mdb.zst only
     if not (home / "manifest.json").exists():
-        kvdata.access.push(src, str(home), show=False)
+        push(src, str(home), show=False)
     entries = shard_entries(home)
     unc = sum(int(e["bytes"]) for e in entries)
     zst = sum(int(e["zst"]["bytes"]) for e in entries)
@@ -197,21 +175,21 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
         f"Engine.stage, .zst home, workers={a.workers}": (stage(home), zst, unc, True),
         f"Engine.stage, .mdb home (no zstd), workers={a.workers}": (stage(src), unc, unc, True),
     }
-    times: dict[str, list[float]] = {k: [] for k in methods}
     cold = a.cold and drop_caches()
-    for r in range(a.repeats):
-        names = list(methods)
-        names = names[r % len(names):] + names[:r % len(names)]
-        for name in names:
-            fn, _s, _o, cache = methods[name]
-            if "zstd" in name and not blobs:
-                blobs.extend((home / "shards" / e["zst"]["name"]).read_bytes() for e in entries)
-            if cold and cache:
-                drop_caches()
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-            getattr(fn, "cleanup", lambda: None)()
+
+    def run(name: str, _r: int) -> float:
+        fn, _s, _o, cache = methods[name]
+        if "zstd" in name and not blobs:
+            blobs.extend((home / "shards" / e["zst"]["name"]).read_bytes() for e in entries)
+        if cold and cache:
+            drop_caches()
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        getattr(fn, "cleanup", lambda: None)()
+        return dt
+
+    times = repeat_rotated(list(methods), a.repeats, run)
     blobs.clear()
     base = "cp .zst (copyfile+fsync): raw source bandwidth"
     base_src = methods[base][1] / med(times[base])
@@ -373,7 +351,7 @@ def sim_furthest(tr: Trace, B: int, within_epoch: bool) -> dict[str, Any]:
 
 
 def max_open(B: int) -> int:
-    """Shards a reader keeps mapped (flock-held, so not evictable): kvdata.access._max_open."""
+    """Shards a reader keeps mapped (flock-held, so not evictable): the reader's _max_open."""
     return max(1, min(16, B // 3))
 
 
@@ -716,7 +694,7 @@ def run_policy(a: argparse.Namespace) -> tuple[str, dict[str, Any]]:
                  f"{sum(tr.accesses):,} shard accesses{' (replayed as each shard-epoch first+last access: exact, see docstring)' if reduce else ''}; {secs:.0f}s", "",
                  md_table(["budget (shards)", "policy", "hit rate", "vs Belady (points)", "traffic epoch 1",
                            f"traffic/epoch 2-{a.epochs}", "1 - budget", f"demand misses/epoch 2-{a.epochs}",
-                           "max over budget (shards)"], rows, "---|---|---:|---:|---:|---:|---:|---:|---:"),
+                           "max over budget (shards)"], rows, left=2),
                  "Targets, kvdata Engine replay (one process): " + "; ".join(verdicts) + ".", ""]
         out["orders"][kind] = {"shards": S, "samples_per_shard": per, "epochs": a.epochs, "window": a.window,
                                "accesses": tr.accesses, "reduced": reduce, "budgets": res, "seconds": secs}
@@ -806,6 +784,8 @@ def s3_env(endpoint: str | None) -> None:
 
 def prepare_home(a: argparse.Namespace, src: Path, n: int) -> None:
     """Push the dataset to the home, and one object per sample under <url>.samples/."""
+    from kvdata.tiers.push import push
+
     u = urllib.parse.urlparse(a.url)
     if u.scheme == "s3":
         import boto3
@@ -816,7 +796,7 @@ def prepare_home(a: argparse.Namespace, src: Path, n: int) -> None:
         except Exception as e:  # noqa: BLE001 -- already there is fine
             if "BucketAlready" not in type(e).__name__ and "BucketAlready" not in str(e):
                 raise
-        kvdata.access.push(src, a.url, show=False)
+        push(src, a.url, show=False)
         prefix = u.path.strip("/") + ".samples"
         with kvdata.open(src) as st, ThreadPoolExecutor(16) as pool:
             def put(i: int) -> None:
@@ -830,7 +810,7 @@ def prepare_home(a: argparse.Namespace, src: Path, n: int) -> None:
         rel = u.path.strip("/")
         dest = Path(a.www_dir) / rel
         shutil.rmtree(dest, ignore_errors=True)
-        kvdata.access.push(src, str(dest), show=False)
+        push(src, str(dest), show=False)
         sd = Path(a.www_dir) / (rel + ".samples")
         sd.mkdir(parents=True, exist_ok=True)
         with kvdata.open(src) as st:
@@ -859,7 +839,7 @@ def get_rates(a: argparse.Namespace, n: int) -> dict[str, dict[str, float]]:
 
 
 def _url_dataset_class() -> type:
-    from kvdata.dataset import Dataset, _in_worker
+    from kvdata.reader.dataset import Dataset, _in_worker
 
     class URLDataset(Dataset):
         """kvdata.Dataset that opens through kvdata.open (tiers + staging engine) -- used only if
@@ -907,8 +887,8 @@ def loader_epochs(a: argparse.Namespace, location: str, epochs: int) -> tuple[li
         rest = (n - first_n) / (dt - waits[0]) if waits and n > first_n and dt > waits[0] else float("nan")
         out.append({"samples": n, "seconds": dt, "samples_per_s": n / dt, "MBps": n * IMG / dt / MB,
                     "after_first_batch_samples_per_s": rest,
-                    "first_batch_s": waits[0] if waits else 0.0, "wait_p50_s": w[len(w) // 2],
-                    "wait_p99_s": w[min(len(w) - 1, int(len(w) * 0.99))], "wait_max_s": w[-1]})
+                    "first_batch_s": waits[0] if waits else 0.0, "wait_p50_s": quantile_sorted(w, 0.5),
+                    "wait_p99_s": quantile_sorted(w, 0.99), "wait_max_s": w[-1]})
     st = getattr(ds, "_store", None)
     if st is not None:
         st.close()
@@ -1111,11 +1091,9 @@ def main() -> None:
             a.samples, a.shard_size, a.seq_samples, a.pool_samples = 200, "4MB", 40, 200
     if hasattr(a, "budgets"):
         a.budgets = [float(x) for x in str(a.budgets).split(",")]
-    made = a.dir is None
-    work = Path(tempfile.mkdtemp(prefix="kvdata-staging-", dir="/tmp")) if made else a.dir
-    work.mkdir(parents=True, exist_ok=True)
+    work, made = work_dir(a.dir, "kvdata-staging-")
     md = [f"## kvdata bench/staging.py {a.section}", ""]
-    out: dict[str, Any] = {"config": {k: str(v) for k, v in vars(a).items()}, "machine": machine()}
+    out: dict[str, Any] = {"config": {k: str(v) for k, v in vars(a).items()}, "machine": machine_info()}
     try:
         if a.section in ("local", "all"):
             t, out["local"] = run_local(a, work)
@@ -1136,9 +1114,10 @@ def main() -> None:
                 for name in ("local-ds", "local-home", "net-ds"):
                     shutil.rmtree(work / name, ignore_errors=True)
                     (work / f"{name}.DONE.json").unlink(missing_ok=True)
-    print("\n".join(md))
+    out["markdown"] = "\n".join(md)
+    print(out["markdown"])
     if a.json:
-        a.json.write_text(json.dumps(out, indent=1, default=str))
+        write_json(a.json, out)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import shutil
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +27,8 @@ import numpy as np
 
 import kvdata
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import drop_caches  # noqa: E402
+from _common import (BATCH, IMG, SHAPE, built, drop_caches, image_chunks, machine_info,  # noqa: E402
+                     machine_line, mark_built, md_table, median, repeat_rotated, work_dir, write_json)
 
 try:
     from mmap_ninja import numpy as ninja_np
@@ -39,10 +36,7 @@ try:
 except ImportError:  # pip install mmap-ninja (the `bench` extra)
     ninja_np = RaggedMmap = None
 
-SHAPE = (227, 227, 3)
-IMG = int(np.prod(SHAPE))  # 154,587 bytes
 SMALL = 1024
-BATCH = 256
 
 
 def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -50,8 +44,9 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
     params = {"n": n, "nbytes": nbytes, "seed": args.seed, "shard_size": args.shard_size,
               "keep_tail": args.keep_tail, "ninja": RaggedMmap is not None}
     done = root / "DONE.json"
-    if done.exists() and json.loads(done.read_text()).get("params") == params:
-        return json.loads(done.read_text())
+    info = built(done, params)
+    if info is not None:
+        return info
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     rng = np.random.default_rng(args.seed)
@@ -60,8 +55,7 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
     env = lmdb.open(str(root / "raw.lmdb"), subdir=False, map_size=int(n * (nbytes + 4096) * 1.25) + (64 << 20))
     with open(root / "flat.u8", "wb") as flat, \
             kvdata.open(root / "kvdata", "w", shard_size=args.shard_size, compress=False) as st:
-        for start in range(0, n, chunk):
-            arr = rng.integers(0, 256, size=(min(chunk, n - start), *shape), dtype=np.uint8)
+        for start, arr in image_chunks(rng, n, chunk, "noise", shape):
             keys = range(start, start + len(arr))
             flat.write(arr.tobytes())
             with env.begin(write=True) as txn:
@@ -84,9 +78,17 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
     np.save(root / "offsets.npy", np.arange(n + 1, dtype=np.int64) * nbytes)
     with kvdata.open(root / "kvdata") as st:
         sealed = sum(int(e["records"]) for e in st.manifest["shards"])
-        info = {"params": params, "kvdata_shards": len(st.manifest["shards"]), "kvdata_sealed_fraction": sealed / n}
-    done.write_text(json.dumps(info))
-    return info
+        shards = len(st.manifest["shards"])
+    return mark_built(done, params, kvdata_shards=shards, kvdata_sealed_fraction=sealed / n)
+
+
+def copy_threads(st: Any) -> int | str:
+    """The threads get_batch copies with (its Copier's; the reader behind the Store holds it)."""
+    for holder in (st, getattr(st, "_reader", None)):
+        copier = getattr(holder, "_copier", None)
+        if copier is not None:
+            return copier.threads
+    return "default"
 
 
 def image_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], Callable]:
@@ -118,7 +120,7 @@ def image_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
          "lmdb buffers=True": (lambda idx: lmdb_get(idx, True), "into out"),
          "kvdata get_many + copy into out": (kv_copy, "into out"),
          # the API for stacked batches: one copy per sample into `out`, split across copy threads
-         f"kvdata get_batch into out ({st._copier.threads} copy threads)":
+         f"kvdata get_batch into out ({copy_threads(st)} copy threads)":
              (lambda idx: st.get_batch(idx, fields=["image"], alloc=lambda shape, dtype: out)["image"], "into out"),
          "kvdata get_many + np.stack": (lambda idx: np.stack([r["image"] for r in st.get_many(idx)]), "new array")}
     if ninja_np is not None:
@@ -189,51 +191,47 @@ def cold_openers(root: Path) -> dict[str, Callable]:
             "lmdb readahead=True": raw_lmdb(True), "kvdata s[i]": kv}
 
 
-def rotated(names: list[str], r: int) -> list[str]:
-    return names[r % len(names):] + names[:r % len(names)]
-
-
 def measure(methods: dict[str, tuple[Callable, str]], batches: list[np.ndarray], repeats: int) -> dict[str, list[float]]:
     total = sum(len(b) for b in batches)
-    rates: dict[str, list[float]] = {name: [] for name in methods}
-    for r in range(repeats):
-        for name in rotated(list(methods), r):
-            fn = methods[name][0]
-            t0 = time.perf_counter()
-            for b in batches:
-                fn(b)
-            rates[name].append(total / (time.perf_counter() - t0))
-    return rates
+
+    def run(name: str, _r: int) -> float:
+        fn = methods[name][0]
+        t0 = time.perf_counter()
+        for b in batches:
+            fn(b)
+        return total / (time.perf_counter() - t0)
+
+    return repeat_rotated(list(methods), repeats, run)
 
 
 def measure_cold(root: Path, idx: np.ndarray, repeats: int) -> dict[str, list[float]]:
     openers = cold_openers(root)
-    rates: dict[str, list[float]] = {name: [] for name in openers}
-    for r in range(repeats):
-        for name in rotated(list(openers), r):
-            gc.collect()  # mapped pages survive drop_caches: earlier maps must be gone
-            drop_caches()
-            read, close = openers[name]()
-            t0 = time.perf_counter()
-            for i in idx.tolist():
-                read(i)
-            rates[name].append(len(idx) / (time.perf_counter() - t0))
-            close()
-            del read, close
-    return rates
+
+    def run(name: str, _r: int) -> float:
+        gc.collect()  # mapped pages survive drop_caches: earlier maps must be gone
+        drop_caches()
+        read, close = openers[name]()
+        t0 = time.perf_counter()
+        for i in idx.tolist():
+            read(i)
+        rate = len(idx) / (time.perf_counter() - t0)
+        close()
+        del read, close
+        return rate
+
+    return repeat_rotated(list(openers), repeats, run)
 
 
 def table(title: str, rates: dict[str, list[float]], kinds: dict[str, str], base: str, nbytes: int) -> tuple[str, list]:
-    b = statistics.median(rates[base])
-    lines = [f"### {title}", "", f"| method | result | samples/s (median) | MB/s | vs {base} |",
-             "|---|---|---:|---:|---:|"]
-    rows = []
+    b = median(rates[base])
+    lines, rows = [], []
     for name, rs in rates.items():
-        med = statistics.median(rs)
-        lines.append(f"| {name} | {kinds.get(name, 'into buf')} | {med:,.0f} | {med * nbytes / 1e6:,.0f} | {med / b:.2f}x |")
+        med = median(rs)
+        lines.append([name, kinds.get(name, "into buf"), f"{med:,.0f}", f"{med * nbytes / 1e6:,.0f}", f"{med / b:.2f}x"])
         rows.append({"method": name, "result": kinds.get(name, "into buf"), "median_samples_per_s": med,
                      "samples_per_s": rs, "ratio": med / b})
-    return "\n".join(lines) + "\n", rows
+    text = f"### {title}\n\n" + md_table(["method", "result", "samples/s (median)", "MB/s", f"vs {base}"], lines, left=2)
+    return text, rows
 
 
 def run_warm(key: str, root: Path, n: int, nbytes: int, count: int, rng: np.random.Generator,
@@ -276,13 +274,11 @@ def main() -> None:
     if a.quick:
         a.n_images, a.n_small, a.batches, a.small_batches = 300, 5000, 3, 20
         a.cold_samples, a.repeats, a.shard_size = 50, 3, "16MB"
-    made = a.dir is None
-    d = Path(tempfile.mkdtemp(prefix="kvdata-bench-", dir="/tmp")) if made else a.dir
-    d.mkdir(parents=True, exist_ok=True)
+    d, made = work_dir(a.dir, "kvdata-bench-")
     rng = np.random.default_rng(a.seed + 1)
-    out: dict[str, Any] = {"config": {k: str(v) for k, v in vars(a).items()}, "sections": {}}
-    md = [f"## kvdata store_read ({platform.node()}, Python {platform.python_version()}, numpy {np.__version__}, "
-          f"lmdb {lmdb.__version__}, {os.cpu_count()} CPUs)", ""]
+    machine = machine_info()
+    out: dict[str, Any] = {"config": {k: str(v) for k, v in vars(a).items()}, "machine": machine, "sections": {}}
+    md = [f"## kvdata store_read ({machine_line(machine)})", ""]
     if RaggedMmap is None:
         md.append("_mmap_ninja not installed: its rows are skipped (pip install mmap-ninja)._\n")
     try:
@@ -305,7 +301,7 @@ def main() -> None:
             rates, kinds = run_warm(key, root, n, nbytes, count, rng, a.repeats)
             text, out["sections"][key] = table(title, rates, kinds, base, nbytes)
             if key == "a":
-                s, c = (statistics.median(rates[k]) for k in ("kvdata get_many + np.stack", "kvdata get_many + copy into out"))
+                s, c = (median(rates[k]) for k in ("kvdata get_many + np.stack", "kvdata get_many + copy into out"))
                 text += (f"\nkvdata stacking: {'copy into a preallocated out' if c >= s else 'np.stack'} is faster "
                          f"({max(c, s) / min(c, s):.2f}x).\n")
             md.append(text)
@@ -327,9 +323,10 @@ def main() -> None:
             shutil.rmtree(d / "small", ignore_errors=True)
             if made or not any(d.iterdir()):
                 shutil.rmtree(d, ignore_errors=True)
-    print("\n".join(md))
+    out["markdown"] = "\n".join(md)
+    print(out["markdown"])
     if a.json:
-        a.json.write_text(json.dumps(out, indent=1))
+        write_json(a.json, out)
 
 
 if __name__ == "__main__":
