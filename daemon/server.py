@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from kvdata.errors import KVDataError
-from kvdata.protocol import HEADER, MAX_FRAME, TYPES, ProtocolError, decode_body, encode
+from kvdata.errors import BadRequest, KVDataError, ProtocolError
+from kvdata.protocol import HEADER, MAX_FRAME, TYPES, decode_body, encode
 
-from .state import BadRequest, Service
+from .state import Service
 
 log = logging.getLogger("kvdatad")
 MAX_CLIENTS = 1024

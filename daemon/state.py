@@ -13,7 +13,6 @@ restarted daemon serves what an earlier one staged.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from concurrent.futures import Future
@@ -21,22 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvdata.access import cache_root, mirror
 from kvdata.config import Config
-from kvdata.errors import KVDataError
-from kvdata.remote import Home, open_home
-from kvdata.store import read_manifest
-from kvdata.engine import Engine
+from kvdata.errors import BadRequest
+from kvdata.protocol import PROTOCOL_VERSION, is_sha256
+from kvdata.tiers import Manifest, ShardEntry
+from kvdata.tiers.engine import Engine
+from kvdata.tiers.homes import Home, open_home
+from kvdata.tiers.mirror import cache_root, mirror, read_manifest
 
-_SHARD_NAME = re.compile(r"^\d{6}\.mdb$")
-_ZST_NAME = re.compile(r"^\d{6}\.mdb\.zst$")
-_INDEX_NAME = re.compile(r"^(samples|records|keys)-\d{8}(-\d{2})?\.bin$")
 MAX_LOCATION = 4096
 MAX_READER = 256
-
-
-class BadRequest(KVDataError):
-    """A request the daemon refuses (bad field, unknown dataset/shard)."""
+MAX_WANT = 4096  # shards one `want` may name
 
 
 @dataclass
@@ -44,7 +38,7 @@ class OpenDataset:
     location: str
     home: Home
     root: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     staged_all: bool = False  # `kvdata stage` asked for it: keep new generations staged too
 
 
@@ -71,19 +65,6 @@ def check_location(value: Any) -> str:
     if ".." in p.parts:
         raise BadRequest(f"dataset path {value!r} may not contain '..'")
     return str(p)
-
-
-def check_manifest(m: dict[str, Any], where: str) -> None:
-    """Refuse manifests whose file names could point outside the dataset."""
-    for e in m["shards"]:
-        if not _SHARD_NAME.match(str(e["name"])) or (e.get("zst") and not _ZST_NAME.match(str(e["zst"]["name"]))):
-            raise BadRequest(f"{where}: manifest names a shard file {e['name']!r} outside the shard naming rule")
-        if not re.fullmatch(r"[0-9a-f]{64}", str(e["sha256"])):
-            raise BadRequest(f"{where}: manifest has a malformed checksum for {e['name']}")
-    idx = m["index"]
-    for name in [idx["samples"], idx["records"]] + [r["name"] for r in idx["keys"]]:
-        if name is not None and not _INDEX_NAME.match(str(name)):
-            raise BadRequest(f"{where}: manifest names an index file {name!r} outside the naming rule")
 
 
 class Service:
@@ -133,26 +114,23 @@ class Service:
         else:
             root = mirror(home, cache_root(self.config))
             m = read_manifest(root)
-        check_manifest(m, loc)
-        self.engine.check_budgets(m["shards"])
+        self.engine.check_budgets(list(m.shards))
         ds = OpenDataset(loc, home, root, m, staged_all=bool(old and old.staged_all))
         with self._lock:
             self.datasets[loc] = ds
         if ds.staged_all:
-            for e in m["shards"]:
+            for e in m.shards:
                 self.engine.stage(home, e)
         return ds
 
-    def _entry(self, ds: OpenDataset, shard: Any) -> dict[str, Any]:
-        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < len(ds.manifest["shards"]):
-            raise BadRequest(f"shard must be an integer id in [0, {len(ds.manifest['shards'])}) of {ds.location}")
-        return ds.manifest["shards"][shard]
+    def _entry(self, ds: OpenDataset, shard: Any) -> ShardEntry:
+        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < len(ds.manifest.shards):
+            raise BadRequest(f"shard must be an integer id in [0, {len(ds.manifest.shards)}) of {ds.location}")
+        return ds.manifest.shards[shard]
 
     # ------------------------------------------------------------ handlers
 
     def hello(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
-        from kvdata.protocol import PROTOCOL_VERSION
-
         pid = msg.get("pid")
         with self._lock:
             if cid in self.clients and isinstance(pid, int):
@@ -163,7 +141,7 @@ class Service:
 
     def open(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
         ds = self._dataset(msg.get("dataset"))
-        return {"root": str(ds.root), "generation": ds.manifest["generation"], "shards": len(ds.manifest["shards"])}
+        return {"root": str(ds.root), "generation": ds.manifest.generation, "shards": len(ds.manifest.shards)}
 
     def announce(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
         ds = self._dataset(msg.get("dataset"))
@@ -202,16 +180,16 @@ class Service:
         the home; it never serves a copy with another checksum."""
         ds = self._dataset(msg.get("dataset"))
         want = msg.get("sha256")
-        if want is not None and (not isinstance(want, str) or not re.fullmatch(r"[0-9a-f]{64}", want)):
+        if want is not None and not is_sha256(want):
             raise BadRequest("sha256 must be 64 lowercase hex digits")
         shard = msg.get("shard")
-        known = isinstance(shard, int) and not isinstance(shard, bool) and 0 <= shard < len(ds.manifest["shards"])
-        if want is not None and (not known or ds.manifest["shards"][shard]["sha256"] != want):
+        known = isinstance(shard, int) and not isinstance(shard, bool) and 0 <= shard < len(ds.manifest.shards)
+        if want is not None and (not known or ds.manifest.shards[shard].sha256 != want):
             ds = self.open_dataset(ds.location, refresh=True)
-            match = [e for e in ds.manifest["shards"] if e["sha256"] == want]
+            match = [e for e in ds.manifest.shards if e.sha256 == want]
             if not match:
                 raise BadRequest(f"shard {shard} of {ds.location} is not at the home any more (generation "
-                                 f"{ds.manifest['generation']}); reopen the dataset")
+                                 f"{ds.manifest.generation}); reopen the dataset")
             entry = match[0]
         else:
             entry = self._entry(ds, shard)
@@ -223,14 +201,14 @@ class Service:
         its `need`s then wait for the slowest, not the sum)."""
         ds = self._dataset(msg.get("dataset"))
         shards = msg.get("shards")
-        if not isinstance(shards, list) or len(shards) > 4096:
+        if not isinstance(shards, list) or len(shards) > MAX_WANT:
             raise BadRequest("shards must be a list of [id, sha256] pairs")
         entries = []
         for item in shards:
             if not isinstance(item, list) or len(item) != 2:
                 raise BadRequest("shards must be a list of [id, sha256] pairs")
             e = self._entry(ds, item[0])
-            if e["sha256"] == item[1]:  # a stale id is left to `need`, which re-reads the home
+            if e.sha256 == item[1]:  # a stale id is left to `need`, which re-reads the home
                 entries.append(e)
         self.engine.start_many(ds.home, entries)
         return {"started": len(entries)}
@@ -243,7 +221,7 @@ class Service:
                 raise BadRequest("tier must be a tier name")
             self.config.tier(tier)
         ds.staged_all = True
-        futures = [self.engine.stage(ds.home, e, tier) for e in ds.manifest["shards"]]
+        futures = [self.engine.stage(ds.home, e, tier) for e in ds.manifest.shards]
         return {"shards": len(futures), "queued": sum(not f.done() for f in futures)}, futures
 
     def evict(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
@@ -254,15 +232,15 @@ class Service:
         if tier is not None:
             self.config.tier(tier)
         ds.staged_all = False
-        return {"evicted": self.engine.evict(ds.manifest["shards"], tier)}
+        return {"evicted": self.engine.evict(list(ds.manifest.shards), tier)}
 
     def status(self, cid: int | None = None, msg: dict[str, Any] | None = None) -> dict[str, Any]:
         st = self.engine.status()
         with self._lock:
             clients = [{"id": c.id, "pid": c.pid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
                        for c in self.clients.values()]
-            datasets = [{"dataset": d.location, "generation": d.manifest["generation"],
-                         "shards": len(d.manifest["shards"])} for d in self.datasets.values()]
+            datasets = [{"dataset": d.location, "generation": d.manifest.generation,
+                         "shards": len(d.manifest.shards)} for d in self.datasets.values()]
         st.update({"pid": os.getpid(), "uptime_seconds": round(time.time() - self.started, 1),
                    "clients": clients, "connected_clients": len(clients), "datasets": datasets,
                    "queue_depth": st["in_flight"], "requests": self.requests, "bad_requests": self.bad_requests,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .access import open_dataset as open
 from .errors import KVDataError
+from .reader.open import open_dataset as open
 from .store import Store
 
 __all__ = ["open", "Store", "KVDataError", "Dataset", "ShardShuffleSampler", "collate", "BatchReader",
@@ -18,10 +18,10 @@ __all__ = ["open", "Store", "KVDataError", "Dataset", "ShardShuffleSampler", "co
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Dataset": ("dataset", "Dataset"),
-    "collate": ("dataset", "collate"),
-    "ShardShuffleSampler": ("sampler", "ShardShuffleSampler"),
-    "BatchReader": ("batch", "BatchReader"),
+    "Dataset": ("reader.dataset", "Dataset"),
+    "collate": ("reader.dataset", "collate"),
+    "ShardShuffleSampler": ("reader.sampler", "ShardShuffleSampler"),
+    "BatchReader": ("reader.batch_reader", "BatchReader"),
 }
 
 

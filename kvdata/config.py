@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
-from .sizes import parse_size
+from ._util.sizes import parse_size
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import KVDataError
-from .store import open_store
-from .verify import verify
+from .reader.open import open_dataset, verify
 
 CROP = 227
 N_CROPS = 1024
@@ -65,7 +64,7 @@ def _measure(name: str, path: Path, images: np.ndarray, rng: np.random.Generator
     offsets = np.arange(len(images), dtype=np.int64) * per
     mm = np.memmap(flat, dtype=np.uint8, mode="r")
     shape = images.shape[1:]
-    store = open_store(path)
+    store = open_dataset(path)
     batches = [rng.integers(0, len(images), min(BATCH, len(images))) for _ in range(max(4, 8192 // BATCH))]
 
     def read_kvdata(idx: np.ndarray) -> np.ndarray:
@@ -104,7 +103,7 @@ def run_demo(workdir: str | None, keep: bool = False, as_json: bool = False) -> 
         for name, images, labels, shard in (("digits", digits, digit_labels, "256MB"),
                                             ("photos", crops, crop_labels, "32MB")):
             path = tmp / f"{name}.kv"
-            with open_store(path, "w", shard_size=shard) as store:
+            with open_dataset(path, "w", shard_size=shard) as store:
                 store.put_many((f"{name}/{i:06d}", {"image": im, "label": int(lb)}) for i, (im, lb)
                                in enumerate(zip(images, labels)))
                 store.seal()

@@ -57,3 +57,48 @@ class ConfigError(KVDataError, ValueError):
 
 class ClosedError(KVDataError):
     """The store was closed or failed and must be reopened."""
+
+
+# ---------------------------------------------------------------- tiers and homes
+
+
+class RemoteError(KVDataError):
+    """A home could not be read or written (network, permissions, missing object)."""
+
+
+class ChecksumMismatchError(KVDataError):
+    """A fetched shard does not match its manifest checksum; it is never served."""
+
+
+class StagingAbortedError(KVDataError):
+    """Staging was abandoned because the engine is closing."""
+
+
+class TierFailedError(KVDataError):
+    """A tier directory failed (vanished, read-only, full); it is skipped for a while."""
+
+
+class NoRoomError(KVDataError):
+    """A prefetch found its tier full of shards in use; it is not staged."""
+
+    def __init__(self, tier: str) -> None:
+        super().__init__(f"tier {tier!r} is full of shards in use; not prefetching")
+
+
+# ---------------------------------------------------------------- daemon protocol
+
+
+class ProtocolError(KVDataError):
+    """A malformed frame or message."""
+
+
+class DaemonError(KVDataError):
+    """The daemon answered with an error (its message is in the text)."""
+
+
+class DaemonUnavailable(KVDataError):
+    """No daemon answers on the socket."""
+
+
+class BadRequest(KVDataError):
+    """A request the daemon refuses (bad field, unknown dataset/shard)."""

@@ -35,24 +35,13 @@ from typing import Any, Mapping
 
 import msgpack
 
-from .errors import KVDataError
+from ._util.digest import is_sha256
+from .errors import DaemonError, DaemonUnavailable, KVDataError, ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 << 20
 HEADER = struct.Struct(">I")
 TYPES = ("hello", "open", "announce", "progress", "need", "want", "release", "stage", "evict", "status", "reload")
-
-
-class ProtocolError(KVDataError):
-    """A malformed frame or message."""
-
-
-class DaemonError(KVDataError):
-    """The daemon answered with an error (its message is in the text)."""
-
-
-class DaemonUnavailable(KVDataError):
-    """No daemon answers on the socket."""
 
 
 def encode(msg: Mapping[str, Any]) -> bytes:

@@ -203,7 +203,7 @@ class Check:
 def check(ds: Path, journal: Path) -> Check:
     """Open the dataset read-only, verify it, and compare it with the journal state."""
     import kvdata
-    from kvdata.verify import verify
+    from kvdata.reader.open import verify
 
     c = Check()
     r = replay(read_journal(journal))

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import kvdata
-from kvdata.access import push
+from kvdata.tiers.push import push
 from kvdata.config import Config, parse_config
 
 BUCKET = "kvdata-test"

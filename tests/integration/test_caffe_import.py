@@ -27,9 +27,9 @@ import pytest
 from PIL import Image
 
 import kvdata
-from kvdata.caffe import datum_class, import_caffe
+from kvdata.importers.caffe import datum_class, import_caffe
 from kvdata.errors import ConfigError, InvalidKeyError, InvalidValueError, KVDataError
-from kvdata.verify import verify
+from kvdata.reader.open import verify
 
 KVDATA = str(Path(sys.executable).parent / "kvdata")
 H, W = 12, 10
@@ -153,17 +153,17 @@ def test_datum_class_matches_caffe_proto() -> None:
 
 
 def test_import_kvdata_does_not_load_protobuf() -> None:
-    code = ("import sys, kvdata, kvdata.cli, kvdata.cli_import\n"
+    code = ("import sys, kvdata, kvdata.cli, kvdata.cli.imports\n"
             "assert 'google.protobuf' not in sys.modules, 'protobuf imported'\n"
-            "import kvdata.caffe\n"
-            "assert 'google.protobuf' not in sys.modules, 'protobuf imported by kvdata.caffe'\n")
+            "import kvdata.importers.caffe\n"
+            "assert 'google.protobuf' not in sys.modules, 'protobuf imported by kvdata.importers.caffe'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_missing_protobuf_says_how_to_install(tmp_path: Path) -> None:
     code = ("import sys\n"
             "sys.modules['google.protobuf'] = None  # as if protobuf were not installed\n"
-            "from kvdata.caffe import import_caffe\n"
+            "from kvdata.importers.caffe import import_caffe\n"
             "from kvdata.errors import KVDataError\n"
             "try:\n"
             f"    import_caffe({str(tmp_path)!r}, {str(tmp_path / 'ds')!r}, progress=False)\n"

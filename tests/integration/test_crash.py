@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvdata
-from kvdata.verify import verify
+from kvdata.reader.open import verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import crash_check as cc  # noqa: E402

@@ -27,6 +27,7 @@ import pytest
 
 import kvdata
 from kvdata.protocol import MAX_FRAME, TYPES, Client
+from kvdata.tiers.push import push
 
 from daemon_fixtures import (Kit, Raw, assert_error_reply, build_dataset, finish, free_port, kit, manifest,  # noqa: F401
                              same, snapshot, tier_files, wait_for)
@@ -168,7 +169,7 @@ def test_reload_on_sighup_and_on_config_edit_keeps_clients(kit: Kit) -> None:
 def test_two_jobs_share_one_staged_copy(kit: Kit) -> None:
     src = build_dataset(kit.root / "src", n=96)
     home = kit.root / "home"
-    kvdata.access.push(src, str(home), show=False)
+    push(src, str(home), show=False)
     m = manifest(home)
     n = len(m["shards"])
     assert n >= 6

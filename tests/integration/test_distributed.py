@@ -123,7 +123,7 @@ def run_job(dataset: Path, tmp: Path) -> list[dict]:
 
 def test_two_gloo_ranks(tmp_path: Path) -> None:
     from kvdata import order as om
-    from kvdata.sampler import ShardShuffleSampler
+    from kvdata.reader.sampler import ShardShuffleSampler
 
     dataset = build(tmp_path / "ds.kv")
     got = run_job(dataset, tmp_path)

@@ -11,7 +11,7 @@ from PIL import Image
 import kvdata
 from kvdata import format as fmt
 from kvdata.errors import ConfigError, InvalidValueError, KVDataError
-from kvdata.importers import import_folder, import_listfile
+from kvdata.importers.folder import import_folder, import_listfile
 
 CLASSES = ["cat", "dog", "fish"]
 W, H = 32, 24

@@ -13,7 +13,7 @@ import torch.utils.data
 
 import kvdata
 from kvdata import order as om
-from kvdata.sampler import ShardShuffleSampler
+from kvdata.reader.sampler import ShardShuffleSampler
 
 PER_SHARD, FULL_SHARDS, EXTRA = 25, 40, 3
 N = PER_SHARD * FULL_SHARDS + EXTRA          # 1003: odd, and not divisible by 3 either

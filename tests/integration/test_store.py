@@ -17,8 +17,8 @@ import zstandard
 import kvdata
 from kvdata import format as fmt
 from kvdata.errors import ReadOnlyError
-from kvdata.rebuild import reindex
-from kvdata.verify import verify
+from kvdata.store.rebuild import reindex
+from kvdata.reader.open import verify
 
 
 def img(i: int, shape=(40, 40, 3)) -> np.ndarray:
@@ -290,7 +290,7 @@ def test_tail_readable_by_another_process_while_writer_is_open(tmp_path: Path) -
 
 
 def test_unknown_offsets_fall_back_to_lmdb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvdata import shards
+    from kvdata.store import shards
 
     monkeypatch.setattr(shards, "_map_base", lambda path, addr: None)
     p = tmp_path / "ds.kv"

@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 
 import kvdata
-from kvdata.access import open_dataset
-from kvdata.codec import compress_file
+from kvdata.reader.open import open_dataset
+from kvdata.format.codec import compress_file
 from kvdata.errors import ConfigError, KVDataError
-from kvdata.remote import open_home
-from kvdata.engine import Engine
-from kvdata.tiers import ChecksumMismatchError, Tier
+from kvdata.tiers.homes import open_home
+from kvdata.tiers.engine import Engine
+from kvdata.errors import ChecksumMismatchError
+from kvdata.tiers.tier import Tier
 
 from servers import (  # noqa: F401  (fixtures are found by name in this module)
     NginxHome,
@@ -464,7 +465,7 @@ def test_copy_deleted_under_a_running_reader(kind: str, homes: Homes, tmp_path: 
         assert records(st, first) == [src.ref[i] for i in first]  # the existing map still serves it
         assert [(v["image"].tobytes(), int(v["label"])) for v in views] == [(src.ref[i][0], src.ref[i][2])
                                                                               for i in first]
-        st._max_open = 1
+        st.max_open_shards = 1
         for s in (1, 2, 3):  # the store drops shard 0's handle
             rng = sample_range(src, s)
             assert records(st, rng) == [src.ref[i] for i in rng]
@@ -490,7 +491,7 @@ def test_shards_being_read_are_not_evicted(homes: Homes, tmp_path: Path) -> None
         assert tier.try_evict(e0["sha256"]) is False and tier.has(e0["sha256"])
         assert st.engine.evict([e0]) == 0 and tier.has(e0["sha256"])
         # another process cannot take it either (flock is per open file, across processes)
-        code = ("import sys; from kvdata.tiers import Tier; from kvdata.config import TierConfig; "
+        code = ("import sys; from kvdata.tiers.tier import Tier; from kvdata.config import TierConfig; "
                 "sys.exit(0 if Tier(TierConfig('ssd', sys.argv[1], 1 << 30)).try_evict(sys.argv[2]) else 3)")
         assert subprocess.run([sys.executable, "-c", code, str(cfg.tiers[0].path), e0["sha256"]]).returncode == 3
         assert records(st, rng) == [src.ref[i] for i in rng]
@@ -540,9 +541,9 @@ def test_prefetch_goes_on_around_a_shard_held_by_a_reader(homes: Homes, tmp_path
 
 STAGER = r"""
 import sys
-from kvdata.access import open_dataset
+from kvdata.reader.open import open_dataset
 from kvdata.config import load_config
-from kvdata.engine import Engine
+from kvdata.tiers.engine import Engine
 
 eng = Engine(load_config(), part_size=2048, workers=2, parts_in_flight=2)
 store = open_dataset(sys.argv[1], engine=eng)

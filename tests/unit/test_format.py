@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from kvdata import format as fmt
 from kvdata.errors import ConfigError, InvalidKeyError, InvalidValueError
-from kvdata.sizes import parse_size
+from kvdata._util.sizes import parse_size
 
 DTYPES = [np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_, np.complex64, ">i4"]
 
@@ -114,7 +114,7 @@ def test_parse_size_errors(text) -> None:
 def test_manifest_version_and_damage() -> None:
     from kvdata.errors import CorruptDatasetError, FormatVersionError
 
-    m = fmt.new_manifest(1 << 20, True)
+    m = fmt.new_manifest(1 << 20, True).to_json()
     assert fmt.parse_manifest(fmt.dump_manifest(m), "x")["version"] == fmt.FORMAT_VERSION
     m["version"] = fmt.FORMAT_VERSION + 1
     with pytest.raises(FormatVersionError, match="upgrade"):

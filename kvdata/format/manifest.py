@@ -1,0 +1,275 @@
+"""The manifest schema: one dataset generation, as frozen dataclasses.
+
+`manifest.json` is the commit point of a dataset: it names every shard (with its
+size and sha256), the open tail, and the side-index files of the generation.
+It also comes from remote homes, so `parse_manifest` treats it as hostile: every
+name must follow `kvdata.format.names`, every number must be a non-negative int
+in range, every checksum a sha256 hex digest, before anything touches a file.
+
+Code inside kvdata reads attributes (`entry.sha256`). Mapping-style access
+(`manifest["shards"][0]["name"]`) is kept on these classes for users of the
+public `Store.manifest`, which was a dict before the schema was typed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import CorruptDatasetError, FormatVersionError
+from . import names
+
+FORMAT_NAME = "kvdata"
+FORMAT_VERSION = 1
+MAX_COUNT = 1 << 48      # samples, records, bytes: far above anything real, far below overflow
+MAX_SHARDS = 1 << 24
+MAX_KEY_RUNS = 256
+_KNOWN = {"format", "version", "generation", "shard_size", "compress", "count", "shards", "tail", "index",
+          "fields", "classes", "index_sha256"}
+
+
+class _ItemAccess:
+    """`obj["field"]` and `obj.get("field")` for code written against the dict manifest."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key in {f.name for f in dataclasses.fields(self)}:  # type: ignore[arg-type]
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+
+@dataclass(frozen=True)
+class ZstCopy(_ItemAccess):
+    """The zstd-compressed cold copy of a sealed shard (as pushed to a home)."""
+
+    name: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ShardEntry(_ItemAccess):
+    """One sealed, immutable shard: what a reader maps and a tier stages."""
+
+    id: int
+    name: str
+    records: int
+    bytes: int
+    sha256: str
+    zst: ZstCopy | None = None
+
+
+@dataclass(frozen=True)
+class TailEntry(_ItemAccess):
+    """The open shard that takes appends; `records` of its slots are committed."""
+
+    id: int
+    name: str
+    records: int
+
+
+@dataclass(frozen=True)
+class KeyRunEntry(_ItemAccess):
+    name: str
+    count: int
+
+
+@dataclass(frozen=True)
+class IndexFiles(_ItemAccess):
+    """The side-index files of one generation (names under index/)."""
+
+    samples: str | None = None
+    records: str | None = None
+    records_count: int = 0
+    keys: tuple[KeyRunEntry, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest(_ItemAccess):
+    """One committed generation of a dataset."""
+
+    generation: int
+    count: int
+    shard_size: int
+    compress: bool
+    shards: tuple[ShardEntry, ...]
+    tail: TailEntry
+    index: IndexFiles
+    fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+    classes: tuple[str, ...] = ()
+    index_sha256: dict[str, str] | None = None  # set by push: checksums of the trimmed index files
+    version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown keys of a newer minor writer, kept as is
+
+    def replace(self, **changes: Any) -> "Manifest":
+        return dataclasses.replace(self, **changes)
+
+    def index_files(self) -> list[tuple[str, str, int]]:
+        """(kind, file name, meaningful bytes) of every index file this generation references."""
+        from .record import HASH_DTYPE, RECORD_DTYPE, SAMPLE_DTYPE
+
+        out = []
+        if self.index.samples:
+            out.append(("samples", self.index.samples, self.count * SAMPLE_DTYPE.itemsize))
+        if self.index.records:
+            out.append(("records", self.index.records, self.index.records_count * RECORD_DTYPE.itemsize))
+        for r in self.index.keys:
+            out.append(("keys", r.name, 2 * r.count * HASH_DTYPE.itemsize))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.extra)
+        out.update({
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "generation": self.generation,
+            "shard_size": self.shard_size,
+            "compress": self.compress,
+            "count": self.count,
+            "shards": [_shard_json(s) for s in self.shards],
+            "tail": {"id": self.tail.id, "name": self.tail.name, "records": self.tail.records},
+            "index": {"samples": self.index.samples, "records": self.index.records,
+                      "records_count": self.index.records_count,
+                      "keys": [{"name": k.name, "count": k.count} for k in self.index.keys]},
+            "fields": self.fields,
+            "classes": list(self.classes),
+        })
+        if self.index_sha256 is not None:
+            out["index_sha256"] = dict(self.index_sha256)
+        return out
+
+
+def _shard_json(s: ShardEntry) -> dict[str, Any]:
+    return {"id": s.id, "name": s.name, "records": s.records, "bytes": s.bytes, "sha256": s.sha256,
+            "zst": None if s.zst is None else {"name": s.zst.name, "bytes": s.zst.bytes, "sha256": s.zst.sha256}}
+
+
+def new_manifest(shard_size: int, compress: bool, generation: int = 0) -> Manifest:
+    """An empty dataset's first generation."""
+    return Manifest(generation=generation, count=0, shard_size=int(shard_size), compress=bool(compress), shards=(),
+                    tail=TailEntry(0, names.tail_name(0), 0), index=IndexFiles())
+
+
+def dump_manifest(m: Manifest | Mapping[str, Any]) -> bytes:
+    data = m.to_json() if isinstance(m, Manifest) else m
+    return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+# ---------------------------------------------------------------- parsing (hostile input)
+
+
+class _Bad(Exception):
+    pass
+
+
+def _int(v: Any, what: str, hi: int = MAX_COUNT) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+        raise _Bad(f"{what} must be an integer in [0, {hi}], not {v!r:.40}")
+    return v
+
+
+def _sha(v: Any, what: str) -> str:
+    if not names.is_sha256(v):
+        raise _Bad(f"{what} is not a sha256 hex digest")
+    return str(v)
+
+
+def _shard(i: int, s: Any) -> ShardEntry:
+    if not isinstance(s, dict):
+        raise _Bad(f"shard entry {i} is not an object")
+    sid = _int(s.get("id"), f"shards[{i}].id", MAX_SHARDS)
+    name = s.get("name")
+    if sid != i or names.parse_shard_name(name) != sid:
+        raise _Bad(f"shards[{i}] has id {sid} and name {str(name)[:60]!r}; expected {names.shard_name(i)!r}")
+    zst = None
+    z = s.get("zst")
+    if z is not None:
+        if not isinstance(z, dict) or z.get("name") != names.zst_name(str(name)):
+            raise _Bad(f"shards[{i}].zst must name {names.zst_name(str(name))!r}")
+        zst = ZstCopy(str(z["name"]), _int(z.get("bytes"), f"shards[{i}].zst.bytes"),
+                      _sha(z.get("sha256"), f"shards[{i}].zst.sha256"))
+    return ShardEntry(sid, str(name), _int(s.get("records"), f"shards[{i}].records"),
+                      _int(s.get("bytes"), f"shards[{i}].bytes"), _sha(s.get("sha256"), f"shards[{i}].sha256"), zst)
+
+
+def _index(idx: Any) -> IndexFiles:
+    if not isinstance(idx, dict):
+        raise _Bad("index is not an object")
+    files: dict[str, str | None] = {}
+    for kind in ("samples", "records"):
+        n = idx.get(kind)
+        if n is not None and not names.is_index_name(n, kind):
+            raise _Bad(f"index.{kind} {str(n)[:60]!r} is not an index file name")
+        files[kind] = n
+    runs = idx.get("keys")
+    if not isinstance(runs, list) or len(runs) > MAX_KEY_RUNS:
+        raise _Bad("index.keys must be a list of key runs")
+    keys = []
+    for r in runs:
+        if not isinstance(r, dict) or not names.is_index_name(r.get("name"), "keys"):
+            raise _Bad(f"index.keys entry {str(r)[:60]!r} is not a key run")
+        keys.append(KeyRunEntry(str(r["name"]), _int(r.get("count"), "index.keys[].count")))
+    return IndexFiles(files["samples"], files["records"], _int(idx.get("records_count"), "index.records_count"),
+                      tuple(keys))
+
+
+def manifest_from_json(m: Any, where: str) -> Manifest:
+    """A validated Manifest from decoded JSON; CorruptDatasetError naming what is wrong."""
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        raise CorruptDatasetError(f"{where}: not a kvdata manifest; run `kvdata reindex` to rebuild it from the shards")
+    version = m.get("version")
+    if not isinstance(version, int):
+        raise CorruptDatasetError(f"{where}: manifest has no format version; run `kvdata reindex`")
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: written by format version {version}, this kvdata reads up to {FORMAT_VERSION}; upgrade kvdata"
+        )
+    try:
+        shards = m.get("shards")
+        if not isinstance(shards, list) or len(shards) > MAX_SHARDS:
+            raise _Bad("shards must be a list")
+        entries = tuple(_shard(i, s) for i, s in enumerate(shards))
+        t = m.get("tail")
+        if not isinstance(t, dict):
+            raise _Bad("tail is not an object")
+        tid = _int(t.get("id"), "tail.id", MAX_SHARDS)
+        if t.get("name") != names.tail_name(tid) or tid < len(entries):
+            raise _Bad(f"tail {str(t.get('name'))[:60]!r} (id {tid}) does not follow the sealed shards")
+        tail = TailEntry(tid, names.tail_name(tid), _int(t.get("records"), "tail.records"))
+        fields = m.get("fields") or {}
+        classes = m.get("classes") or []
+        if not isinstance(fields, dict) or not isinstance(classes, list):
+            raise _Bad("fields must be an object and classes a list")
+        sums = m.get("index_sha256")
+        if sums is not None:
+            if not isinstance(sums, dict) or not all(names.is_index_name(k) for k in sums):
+                raise _Bad("index_sha256 must map index file names to checksums")
+            sums = {str(k): _sha(v, f"index_sha256[{k}]") for k, v in sums.items()}
+        compress = m.get("compress", True)
+        if not isinstance(compress, bool):
+            raise _Bad("compress must be true or false")
+        return Manifest(
+            generation=_int(m.get("generation"), "generation"), count=_int(m.get("count"), "count"),
+            shard_size=_int(m.get("shard_size"), "shard_size"), compress=compress, shards=entries, tail=tail,
+            index=_index(m.get("index")), fields=fields, classes=tuple(str(c) for c in classes),
+            index_sha256=sums, version=version, extra={k: v for k, v in m.items() if k not in _KNOWN})
+    except _Bad as e:
+        raise CorruptDatasetError(f"{where}: manifest has a bad field ({e}); run `kvdata reindex`") from None
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Validated manifest; a clear error for damage or a newer version."""
+    try:
+        m = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptDatasetError(
+            f"{where}: manifest is truncated or corrupt ({e.__class__.__name__}); run `kvdata reindex` to rebuild it from the shards"
+        ) from None
+    return manifest_from_json(m, where)

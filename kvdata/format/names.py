@@ -1,0 +1,114 @@
+"""Every file name kvdata writes, built and parsed in one place.
+
+Names from outside (a manifest fetched from a home, an index table, a protocol
+frame) are checked here against the same rules that build them, so a name that
+passes can be joined under its directory without escaping it: no separators, no
+`..`, no leading dot, nothing longer than a file name.
+
+Dataset layout::
+
+    manifest.json
+    index/samples-GGGGGGGG.bin  records-GGGGGGGG.bin  keys-GGGGGGGG-NN.bin
+    shards/NNNNNN.mdb  NNNNNN.mdb.zst  tail-NNNNNN.mdb (+ tail-NNNNNN.mdb-lock)
+
+A tier directory holds staged copies named by content: ``<sha256>.mdb``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .._util.digest import is_sha256
+
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+SHARDS_DIR = "shards"
+INDEX_DIR = "index"
+SOURCE = "source.json"  # an index mirror's note of the URL it mirrors
+
+_SHARD = re.compile(r"(\d{6,9})\.mdb")
+_TAIL = re.compile(r"tail-(\d{6,9})\.mdb")
+_ZST = re.compile(r"(\d{6,9})\.mdb\.zst")
+_INDEX = re.compile(r"(samples|records|keys)-(\d{8,10})(?:-(\d{2,3}))?\.bin")
+_STAGED = re.compile(r"([0-9a-f]{64})\.mdb")
+
+
+def shard_name(shard_id: int) -> str:
+    """File name of sealed shard `shard_id`."""
+    return f"{shard_id:06d}.mdb"
+
+
+def tail_name(shard_id: int) -> str:
+    """File name of the open tail that will become shard `shard_id`."""
+    return f"tail-{shard_id:06d}.mdb"
+
+
+def lmdb_lock_name(lmdb_name: str) -> str:
+    """LMDB's lock file beside a subdir=False environment."""
+    return lmdb_name + "-lock"
+
+
+def zst_name(shard_file: str) -> str:
+    """The compressed cold copy of a sealed shard file."""
+    return shard_file + ".zst"
+
+
+def samples_name(generation: int) -> str:
+    return f"samples-{generation:08d}.bin"
+
+
+def records_name(generation: int) -> str:
+    return f"records-{generation:08d}.bin"
+
+
+def keys_name(generation: int, run: int) -> str:
+    return f"keys-{generation:08d}-{run:02d}.bin"
+
+
+def staged_name(sha256: str) -> str:
+    """A staged copy in a tier: named by the sha256 of its bytes (content addressing)."""
+    if not is_sha256(sha256):
+        raise ValueError(f"not a sha256 hex digest: {sha256!r}")
+    return f"{sha256}.mdb"
+
+
+def temp_name(final: str, tag: str) -> str:
+    """A hidden temp name beside `final` (never matched by the parsers below)."""
+    return f".{final}.{tag}.tmp"
+
+
+# ---------------------------------------------------------------- parsing (names from outside)
+
+
+def parse_shard_name(name: object) -> int | None:
+    """Shard id of a sealed shard file name, or None if `name` is not one."""
+    m = _SHARD.fullmatch(name) if isinstance(name, str) else None
+    return int(m.group(1)) if m else None
+
+
+def parse_tail_name(name: object) -> int | None:
+    """Shard id of a tail file name, or None."""
+    m = _TAIL.fullmatch(name) if isinstance(name, str) else None
+    return int(m.group(1)) if m else None
+
+
+def is_zst_name(name: object) -> bool:
+    return isinstance(name, str) and _ZST.fullmatch(name) is not None
+
+
+def is_index_name(name: object, kind: str | None = None) -> bool:
+    """Whether `name` is an index file name (of `kind`: samples, records or keys)."""
+    m = _INDEX.fullmatch(name) if isinstance(name, str) else None
+    if m is None:
+        return False
+    if m.group(1) == "keys" and m.group(3) is None:
+        return False
+    if m.group(1) != "keys" and m.group(3) is not None:
+        return False
+    return kind is None or m.group(1) == kind
+
+
+def parse_staged_name(name: object) -> str | None:
+    """The sha256 a tier file is named by, or None if it is not a staged copy."""
+    m = _STAGED.fullmatch(name) if isinstance(name, str) else None
+    return m.group(1) if m else None

@@ -1,0 +1,336 @@
+"""Pure bytes <-> objects: the record layout and the side-index dtypes.
+
+Nothing here touches a file. Layouts are explicit little-endian numpy/struct types
+with a version, so a reader can refuse a dataset written by a newer format.
+
+Record (one LMDB value)::
+
+    prefix  20 bytes  '<BBBBIIII': magic 0x4B, kind, version, flags,
+                      head (payload start), layout_len, meta_len, crc32
+    layout  msgpack   list of [name, code, shape, offset, nbytes]; code is a numpy
+                      dtype string, or bytes/str/int/uint/float/bool/none
+    meta    msgpack   {"k": key, "l": label}
+    padding           up to `head`, a multiple of 8
+    payload           raw field bytes, each field 8-byte aligned
+
+The crc32 covers every byte except the crc field itself. A RAW record stores one
+opaque byte string as its payload and has an empty layout, so reading it needs
+no header parse at all: the index knows where its payload starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from typing import Any, Mapping
+
+import msgpack
+import numpy as np
+
+from ..errors import CorruptDatasetError, InvalidKeyError, InvalidValueError
+
+RECORD_VERSION = 1
+MAGIC = 0x4B
+
+KIND_RAW = 0
+KIND_FIELDS = 1
+KIND_TOMBSTONE = 2
+
+PREFIX = struct.Struct("<BBBBIIII")
+PREFIX_SIZE = PREFIX.size  # 20
+ALIGN = 8
+MAX_KEY_BYTES = 4096
+MAX_HEAD = (1 << 24) - 1
+
+NO_LABEL = int(np.iinfo(np.int64).min)
+
+# Side-index rows. One SAMPLE row per live sample, in sample order.
+SAMPLE_DTYPE = np.dtype([("shard", "<u4"), ("slot", "<u4"), ("label", "<i8")])
+# One RECORD row per slot of every sealed shard, shard after shard: where the value
+# lies in the sealed file, so reads slice a memory map instead of walking a B-tree.
+# head_kind = payload start within the value | kind << 24.
+RECORD_DTYPE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("head_kind", "<u4")])
+UNKNOWN_OFFSET = np.uint64(0xFFFFFFFFFFFFFFFF)
+HASH_DTYPE = np.dtype("<u8")
+POS_DTYPE = np.dtype("<u8")
+
+SCALAR_TYPES = (bool, int, float, type(None))
+_ARRAY_KINDS = "biufc"
+
+# Field kinds of a decoding plan. Scalars live in the payload (not the layout), so
+# records with equal field shapes share byte-identical layouts and one cached plan.
+F_ARRAY, F_BYTES, F_STR, F_INT, F_UINT, F_FLOAT, F_BOOL, F_NONE = range(8)
+_SCALAR_CODES = {"int": F_INT, "uint": F_UINT, "float": F_FLOAT, "bool": F_BOOL, "none": F_NONE}
+_I8 = struct.Struct("<q")
+_U8 = struct.Struct("<Q")
+_F8 = struct.Struct("<d")
+_U1 = np.dtype(np.uint8)
+
+
+def _pack_scalar(key: str, name: str, v: Any) -> tuple[str, bytes]:
+    if v is None:
+        return "none", b""
+    if isinstance(v, bool):
+        return "bool", b"\x01" if v else b"\x00"
+    if isinstance(v, float):
+        return "float", _F8.pack(v)
+    if -(1 << 63) <= v < (1 << 63):
+        return "int", _I8.pack(v)
+    if 0 <= v < (1 << 64):
+        return "uint", _U8.pack(v)
+    raise InvalidValueError(f"key {key!r}, field {name!r}: int {v} does not fit in 64 bits; store it as str")
+
+
+def slot_key(slot: int) -> bytes:
+    """LMDB key of a slot: big-endian so cursor order is append order."""
+    return slot.to_bytes(8, "big")
+
+
+def slot_of(lmdb_key: bytes) -> int:
+    return int.from_bytes(lmdb_key, "big")
+
+
+def check_key(key: Any) -> bytes:
+    """UTF-8 bytes of a valid key, or InvalidKeyError saying what is wrong."""
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        try:
+            key = bytes(key).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidKeyError(f"key {bytes(key)!r} is not valid UTF-8; use a UTF-8 string as key") from None
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"key {key!r} must be a str, not {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("empty key: every record needs a non-empty key")
+    try:
+        kb = key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidKeyError(
+            f"key {key.encode('utf-8', 'backslashreplace').decode()!r} is not valid UTF-8 "
+            "(a file name in another encoding?); rename it or pass --key"
+        ) from None
+    if len(kb) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"key {key[:40]!r}... is {len(kb)} bytes; the limit is {MAX_KEY_BYTES}")
+    if "\x00" in key:
+        raise InvalidKeyError(f"key {key!r} contains a NUL byte")
+    return kb
+
+
+def key_hash(key_bytes: bytes) -> int:
+    """64-bit hash of a key's UTF-8 bytes, as stored in the sorted key index."""
+    return int.from_bytes(hashlib.blake2b(key_bytes, digest_size=8).digest(), "little")
+
+
+def _pad(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def encode_record(key: str, value: Any, label: int | None = None) -> tuple[bytes, int | None, list]:
+    """Serialize one sample; return (record bytes, label for the index or None, field layout)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        kind = KIND_RAW
+        layout: list = []
+        layout_b = b""
+        parts: list[memoryview] = [memoryview(value).cast("B")]
+        offsets = [0]
+        total = parts[0].nbytes
+    elif isinstance(value, Mapping):
+        kind = KIND_FIELDS
+        layout, parts, offsets, total = _layout_of(key, value)
+        if label is None:
+            lv = value.get("label")
+            if isinstance(lv, (int, np.integer)) and not isinstance(lv, bool):
+                label = int(lv)
+        layout_b = msgpack.packb(layout, use_bin_type=True)
+    else:
+        raise InvalidValueError(
+            f"key {key!r}: cannot store a {type(value).__name__}; pass bytes or a dict of fields"
+        )
+    return _assemble(kind, key, label, layout_b, parts, offsets, total), label, layout
+
+
+def encode_tombstone(key: str) -> bytes:
+    """A record that marks `key` deleted, so a reindex from the shards agrees."""
+    return _assemble(KIND_TOMBSTONE, key, None, b"", [], [], 0)
+
+
+def _assemble(kind: int, key: str, label: int | None, layout_b: bytes,
+              parts: list[memoryview], offsets: list[int], total: int) -> bytes:
+    meta: dict[str, Any] = {"k": key}
+    if label is not None:
+        if not -(1 << 63) < int(label) < (1 << 63):
+            raise InvalidValueError(f"key {key!r}: label {label} does not fit in int64")
+        meta["l"] = int(label)
+    meta_b = msgpack.packb(meta, use_bin_type=True)
+    head = _pad(PREFIX_SIZE + len(layout_b) + len(meta_b))
+    if head > MAX_HEAD:
+        raise InvalidValueError(f"key {key!r}: record header is {head} bytes; use fewer or shorter field names")
+    if total >= 1 << 32:
+        raise InvalidValueError(f"key {key!r}: payload of {total} bytes exceeds the 4 GiB record limit")
+    buf = bytearray(head + total)
+    mv = memoryview(buf)
+    p = PREFIX_SIZE
+    mv[p:p + len(layout_b)] = layout_b
+    p += len(layout_b)
+    mv[p:p + len(meta_b)] = meta_b
+    for part, off in zip(parts, offsets):
+        mv[head + off:head + off + part.nbytes] = part
+    PREFIX.pack_into(buf, 0, MAGIC, kind, RECORD_VERSION, 0, head, len(layout_b), len(meta_b), 0)
+    crc = zlib.crc32(mv[PREFIX_SIZE:], zlib.crc32(mv[:PREFIX_SIZE - 4]))
+    struct.pack_into("<I", buf, PREFIX_SIZE - 4, crc)
+    return bytes(buf)
+
+
+def _layout_of(key: str, fields: Mapping[Any, Any]) -> tuple[list, list[memoryview], list[int], int]:
+    layout: list[list[Any]] = []
+    parts: list[memoryview] = []
+    offsets: list[int] = []
+    total = 0
+    for name, v in fields.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidValueError(f"key {key!r}: field names must be non-empty str, got {name!r}")
+        if isinstance(v, np.generic):
+            v = np.asarray(v)
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind not in _ARRAY_KINDS:
+                raise InvalidValueError(
+                    f"key {key!r}, field {name!r}: dtype {v.dtype} cannot be stored "
+                    "(object/string/structured arrays are not raw data); convert it to a numeric "
+                    "array, or store bytes/str fields"
+                )
+            if not v.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+                v = v.copy(order="C")
+            mv = memoryview(v.reshape(-1).view(np.uint8)) if v.size else memoryview(b"")
+            entry = [name, v.dtype.str, list(v.shape), total, mv.nbytes]
+        elif isinstance(v, (bytes, bytearray, memoryview)):
+            mv = memoryview(v).cast("B")
+            entry = [name, "bytes", None, total, mv.nbytes]
+        elif isinstance(v, str):
+            mv = memoryview(v.encode("utf-8"))
+            entry = [name, "str", None, total, mv.nbytes]
+        elif isinstance(v, SCALAR_TYPES):
+            code, packed = _pack_scalar(key, name, v)
+            mv = memoryview(packed)
+            entry = [name, code, None, total, mv.nbytes]
+        else:
+            raise InvalidValueError(
+                f"key {key!r}, field {name!r}: cannot store a {type(v).__name__}; "
+                "use a numpy array, bytes, str, int, float or bool"
+            )
+        layout.append(entry)
+        parts.append(mv)
+        offsets.append(total)
+        total = _pad(total + mv.nbytes)
+    return layout, parts, offsets, total
+
+
+class RecordHeader:
+    """The parsed prefix (and, on demand, layout and meta) of one record."""
+
+    __slots__ = ("kind", "head", "layout_len", "meta_len", "crc")
+
+    def __init__(self, buf: Any) -> None:
+        if len(buf) < PREFIX_SIZE:
+            raise CorruptDatasetError("record shorter than its header")
+        magic, kind, version, _flags, head, ll, ml, crc = PREFIX.unpack_from(buf, 0)
+        if magic != MAGIC or kind > KIND_TOMBSTONE or version > RECORD_VERSION:
+            raise CorruptDatasetError("record header is damaged (bad magic/kind/version)")
+        if head < PREFIX_SIZE + ll + ml or head > len(buf):
+            raise CorruptDatasetError("record header is damaged (bad lengths)")
+        self.kind, self.head, self.layout_len, self.meta_len, self.crc = kind, head, ll, ml, crc
+
+    def layout(self, buf: Any) -> list:
+        if not self.layout_len:
+            return []
+        return msgpack.unpackb(buf[PREFIX_SIZE:PREFIX_SIZE + self.layout_len], raw=False)
+
+    def meta(self, buf: Any) -> dict:
+        s = PREFIX_SIZE + self.layout_len
+        return msgpack.unpackb(buf[s:s + self.meta_len], raw=False)
+
+
+def record_crc_ok(buf: Any) -> bool:
+    """True when the crc32 stored in the record matches its bytes."""
+    mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    stored = struct.unpack_from("<I", mv, PREFIX_SIZE - 4)[0]
+    return zlib.crc32(mv[PREFIX_SIZE:], zlib.crc32(mv[:PREFIX_SIZE - 4])) == stored
+
+
+Plan = tuple  # tuple of (name, kind, dtype | None, shape, offset, nbytes) per field
+
+
+def make_plan(layout: list) -> Plan:
+    """Precompiled decoding steps for one layout (dtypes built once, not per record)."""
+    steps = []
+    for name, code, shape, off, nbytes in layout:
+        if code == "bytes":
+            steps.append((name, F_BYTES, None, None, off, nbytes))
+        elif code == "str":
+            steps.append((name, F_STR, None, None, off, nbytes))
+        elif code in _SCALAR_CODES:
+            steps.append((name, _SCALAR_CODES[code], None, None, off, nbytes))
+        else:
+            dt = np.dtype(code)
+            steps.append((name, F_ARRAY, _U1 if dt == _U1 else dt, tuple(shape), off, nbytes))
+    return tuple(steps)
+
+
+def decode_plan(plan: Plan, u8: np.ndarray, mv: Any, base: int, copy: bool) -> dict[str, Any]:
+    """Fields of a record whose payload starts at u8[base]; arrays are views unless copy."""
+    out: dict[str, Any] = {}
+    for name, kind, dt, shape, off, n in plan:
+        a = base + off
+        if kind == F_ARRAY:
+            arr = u8[a:a + n].reshape(shape) if dt is _U1 else u8[a:a + n].view(dt).reshape(shape)
+            out[name] = arr.copy() if copy else arr
+        elif kind == F_INT:
+            out[name] = _I8.unpack_from(mv, a)[0]
+        elif kind == F_FLOAT:
+            out[name] = _F8.unpack_from(mv, a)[0]
+        elif kind == F_BYTES:
+            out[name] = bytes(mv[a:a + n]) if copy else mv[a:a + n]
+        elif kind == F_STR:
+            out[name] = bytes(mv[a:a + n]).decode("utf-8")
+        elif kind == F_BOOL:
+            out[name] = mv[a] != 0
+        elif kind == F_UINT:
+            out[name] = _U8.unpack_from(mv, a)[0]
+        else:
+            out[name] = None
+    return out
+
+
+def decode_fields(u8: np.ndarray, start: int, head: int, layout: list, copy: bool) -> dict[str, Any]:
+    """Fields of a record whose value starts at u8[start] (uncached path)."""
+    return decode_plan(make_plan(layout), u8, memoryview(u8), start + head, copy)
+
+
+def field_schema(layout: list) -> dict[str, dict[str, Any]]:
+    """Schema summary of one record's fields, merged across records by merge_schema."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, code, shape, _off, _n in layout:
+        if code in ("bytes", "str") or code in _SCALAR_CODES:
+            out[name] = {"type": code}
+        else:
+            out[name] = {"type": "array", "dtype": code, "shape": list(shape)}
+    return out
+
+
+def merge_schema(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Union of two schemas; dimensions that differ become None (ragged)."""
+    merged = {k: dict(v) for k, v in old.items()}
+    for name, spec in new.items():
+        cur = merged.get(name)
+        if cur is None:
+            merged[name] = dict(spec)
+        elif cur != spec:
+            if cur.get("type") == spec.get("type") == "array" and cur["dtype"] == spec["dtype"] \
+                    and cur["shape"] is not None and len(cur["shape"]) == len(spec["shape"]):
+                cur["shape"] = [a if a == b else None for a, b in zip(cur["shape"], spec["shape"])]
+            elif cur.get("type") == spec.get("type") == "array" and cur["dtype"] == spec["dtype"]:
+                cur["shape"] = None
+            else:
+                cur.update({"type": "mixed"})
+                cur.pop("dtype", None)
+                cur.pop("shape", None)
+    return merged

@@ -1,0 +1,211 @@
+"""kvdata.Dataset and kvdata.collate: the PyTorch side of the reader (the only module that imports torch).
+
+The fast path is one copy per sample: `__getitems__` reads a whole batch with one
+index lookup and copies each sample's bytes straight from the page cache into the
+batch array -- allocated in shared memory when running in a DataLoader worker,
+so the batch crosses to the main process without another copy -- and
+`kvdata.collate` hands those arrays to torch without copying again.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from .._util.libc import MADV_POPULATE_WRITE, madvise
+from ..store import Store
+from ..tiers.homes import is_url
+from .open import open_dataset
+
+
+POPULATE_MIN = 1 << 20  # shared-memory batches at least this large are faulted in with one madvise
+
+
+class SampleBatch(list):
+    """Per-sample dicts (rows of `stacked`) that kvdata.collate turns into tensors without copying.
+
+    To every other consumer, e.g. torch's default_collate, it is a plain list of samples.
+    `tensors` holds the shared-memory tensors behind `stacked`'s arrays (in workers):
+    handing those, not torch.from_numpy views, to the DataLoader queue is what lets the
+    batch cross processes as a file descriptor instead of being copied again.
+    """
+
+    stacked: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def _in_worker() -> bool:
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
+    """An empty tensor in torch shared memory, its pages populated up front: one madvise
+    (MADV_POPULATE_WRITE, Linux 5.14+) instead of a page fault every 4 KiB."""
+    tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    out = torch.empty(0, dtype=tdtype).set_(storage, 0, shape)
+    if nbytes >= POPULATE_MIN:
+        madvise(out.data_ptr(), nbytes, MADV_POPULATE_WRITE)
+    return out
+
+
+class Dataset(torch.utils.data.Dataset):
+    """Map-style dataset over a kvdata store.
+
+    Samples are dicts of numpy arrays and Python scalars (byte records: bytes), or
+    whatever `transform(sample)` returns. `fields` keeps only the named fields.
+    The store is opened lazily in each process (after fork or spawn); pickling
+    carries only the path and options. Without a transform, `__getitems__` returns
+    writable arrays that are rows of one batch array; with a transform, the
+    transform gets read-only zero-copy views (copy before modifying in place).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], transform: Callable[[Any], Any] | None = None,
+                 fields: Sequence[str] | None = None) -> None:
+        self.path = str(path)
+        self.transform = transform
+        self.fields = list(fields) if fields is not None else None
+        self._store: Store | None = None
+        self._pid = -1
+        self._mirror: str | None = None
+        self._len = len(self.store)
+
+    # -- per-process store
+
+    @property
+    def store(self) -> Store:
+        """This process's store: a local path read in place, or (URL / tiers configured)
+        shards served from the fastest tier, staged on demand."""
+        if self._store is None or self._pid != os.getpid():
+            # in a worker the workers are the parallelism: copy with one thread
+            self._store = open_dataset(self.path, copy_threads=1 if _in_worker() else None,
+                                       mirror_root=self._mirror)
+            self._pid = os.getpid()
+            if self._mirror is None and is_url(self.path):
+                self._mirror = str(self._store.root)  # workers reuse this verified index mirror
+        return self._store
+
+    def announce(self, reader: str, shard_ids: Sequence[int], position: int = 0) -> None:
+        """Tell the staging engine the order this reader will visit shards in, so it
+        prefetches ahead and evicts what is needed last (no-op when read in place)."""
+        source = self.store.source
+        if source is None:
+            return
+        entries = self.store.manifest.shards
+        seq = [entries[s] for s in shard_ids if s < len(entries)]  # the open tail is never staged
+        source.announce(reader, seq, position)
+
+    def progress(self, reader: str, position: int) -> None:
+        """How far (in shards of the announced sequence) the reader has got."""
+        source = self.store.source
+        if source is not None:
+            source.progress(reader, position)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_store"] = None
+        state["_pid"] = -1
+        return state
+
+    @property
+    def sample_shards(self) -> np.ndarray:
+        """Shard of every sample (what ShardShuffleSampler plans with)."""
+        return self.store.sample_shards
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _select(self, rec: Any) -> Any:
+        if self.fields is None or not isinstance(rec, dict):
+            return rec
+        return {f: rec[f] for f in self.fields}
+
+    def __getitem__(self, index: int) -> Any:
+        rec = self.store.get_many([index], copy=self.transform is None)[0]
+        rec = self._select(rec)
+        if self.transform is not None:
+            return self.transform(rec)
+        return bytes(rec) if isinstance(rec, (memoryview, bytes)) else rec
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        store = self.store
+        if self.transform is not None:
+            return [self.transform(self._select(r)) for r in store.get_many(indices)]
+        tensors: dict[int, torch.Tensor] = {}
+
+        def shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            t = _shared_tensor(shape, dtype)
+            a = t.numpy()
+            tensors[id(a)] = t
+            return a
+
+        batch = store.get_batch(indices, fields=self.fields, alloc=shared if _in_worker() else None)
+        if isinstance(batch, list):  # byte records
+            return batch
+        out = _rows(batch, len(indices))
+        out.tensors = {k: tensors[id(v)] for k, v in batch.items() if id(v) in tensors}
+        return out
+
+
+def _rows(batch: dict[str, Any], n: int) -> SampleBatch:
+    """Sample i = row i of every column (array rows are writable views into the batch)."""
+    out = SampleBatch({name: col[i] for name, col in batch.items()} for i in range(n))
+    out.stacked = batch
+    out.tensors = {}
+    return out
+
+
+def collate(samples: Sequence[Any]) -> Any:
+    """Collate a batch into torch tensors with at most one copy per sample.
+
+    Use it as `DataLoader(..., collate_fn=kvdata.collate)` with kvdata.Dataset:
+    batches that Dataset.__getitems__ already assembled (no transform) become
+    tensors with no copy at all (in shared memory when built in a worker); other
+    lists of dicts of numpy arrays/scalars are stacked into one preallocated
+    tensor per field, which beats torch's default_collate (it converts each
+    sample to a tensor first). Anything else falls back to default_collate.
+    """
+    stacked = getattr(samples, "stacked", None)
+    if stacked is not None:
+        tensors = getattr(samples, "tensors", {})
+        return {k: tensors[k] if k in tensors else _to_torch(v) for k, v in stacked.items()}
+    if not samples:
+        return samples
+    first = samples[0]
+    if isinstance(first, dict) and all(isinstance(v, (np.ndarray, int, float, bool)) for v in first.values()):
+        out = {}
+        for name, v in first.items():
+            col = [s[name] for s in samples]
+            if isinstance(v, np.ndarray):
+                out[name] = _stack_numpy(col)
+            else:
+                out[name] = torch.tensor(col)
+        return out
+    return torch.utils.data.default_collate(samples)
+
+
+def _to_torch(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return torch.from_numpy(v) if v.flags.writeable else torch.from_numpy(v.copy())
+    return v
+
+
+def _stack_numpy(arrays: list[np.ndarray]) -> Any:
+    a0 = arrays[0]
+    if any(a.shape != a0.shape or a.dtype != a0.dtype for a in arrays):
+        return [torch.from_numpy(np.array(a)) for a in arrays]
+    shape = (len(arrays),) + a0.shape
+    if _in_worker():
+        t = _shared_tensor(shape, a0.dtype)
+        out = t.numpy()
+    else:
+        out = np.empty(shape, dtype=a0.dtype)
+        t = torch.from_numpy(out)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return t

@@ -1,0 +1,82 @@
+"""A Generation: one committed manifest and the side-index it names, read-only.
+
+Readers and the writer both work against a Generation (never against each
+other's state): a commit produces the next one, a reader moves to it with
+`refresh()`. Files a loaded generation references are never modified, so a
+Generation stays valid while newer ones are committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CorruptDatasetError, NotADatasetError
+from ..format import Manifest, ShardEntry, parse_manifest
+from ..format import names
+from .._util.fsutil import read_regular
+from .index import Index
+
+MAX_MANIFEST = 1 << 30
+LOAD_ATTEMPTS = 5  # a commit may replace the manifest between reading it and mapping its index
+
+
+def read_manifest(root: Path) -> Manifest:
+    """The dataset's current manifest, validated; a one-line error naming the fix otherwise."""
+    path = root / names.MANIFEST
+    try:
+        data = read_regular(path, MAX_MANIFEST)
+    except IsADirectoryError:
+        raise CorruptDatasetError(f"{path} is not a regular file; run `kvdata reindex {root}`") from None
+    except FileNotFoundError:
+        if not root.exists():
+            raise NotADatasetError(
+                f"{root}: no such dataset; create one with `kvdata put {root} FILE` or kvdata.open(path, 'a')"
+            ) from None
+        if (root / names.SHARDS_DIR).is_dir():
+            raise CorruptDatasetError(f"{path} is missing; run `kvdata reindex {root}` to rebuild it from the shards") from None
+        raise NotADatasetError(f"{root} is not a kvdata dataset (no {names.MANIFEST}); check the path") from None
+    except NotADirectoryError:
+        raise NotADatasetError(f"{root} is not a kvdata dataset directory; check the path") from None
+    return parse_manifest(data, str(path))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one commit made visible: the manifest and its memory-mapped side-index."""
+
+    root: Path
+    manifest: Manifest
+    index: Index
+
+    @property
+    def number(self) -> int:
+        return self.manifest.generation
+
+    @property
+    def shards(self) -> tuple[ShardEntry, ...]:
+        return self.manifest.shards
+
+    @property
+    def shards_dir(self) -> Path:
+        return self.root / names.SHARDS_DIR
+
+    @property
+    def tail_path(self) -> Path:
+        return self.root / names.SHARDS_DIR / self.manifest.tail.name
+
+    def shard_path(self, entry: ShardEntry) -> Path:
+        return self.root / names.SHARDS_DIR / entry.name
+
+
+def load_generation(root: Path) -> Generation:
+    """The current generation, retrying if a commit replaces it while we map its index."""
+    for attempt in range(LOAD_ATTEMPTS):
+        m = read_manifest(root)
+        try:
+            return Generation(root, m, Index(root / names.INDEX_DIR, m))
+        except FileNotFoundError as e:
+            if attempt < LOAD_ATTEMPTS - 1 and read_manifest(root).generation != m.generation:
+                continue
+            raise CorruptDatasetError(f"index file {e.filename} is missing; run `kvdata reindex {root}`") from None
+    raise CorruptDatasetError(f"{root}: the manifest keeps changing while it is read; try again")

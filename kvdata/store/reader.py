@@ -1,0 +1,336 @@
+"""The read path of one dataset: sample indices or keys to record values, one generation at a time.
+
+Sealed shards are memory-mapped once per process and sliced by the offsets the
+side-index holds (no LMDB transaction, no copy); only records still in the open
+tail go through an LMDB read transaction. Where the shard files come from is the
+ShardSource's business (read in place when there is none).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from .. import format as fmt
+from .._util.libc import pages_resident
+from ..errors import CorruptDatasetError, InvalidKeyError, MissingShardError
+from ..format import ShardEntry
+from .generation import Generation, read_manifest
+from .shards import ENVS, SealedShard, open_tail_for_read
+from .source import ShardSource
+from .stacking import Alloc, Copier
+
+PLAN_CACHE_MAX = 4096
+# Values at least this large get an madvise(WILLNEED) over their exact byte range
+# before they are touched: one large read instead of a page fault every 4 KiB when
+# cold, and the reads of a whole batch in flight at once. Smaller values fit in
+# the kernel's fault read-around anyway.
+READAHEAD_MIN = 64 << 10
+READAHEAD_PROBES = 8  # values of a batch probed with mincore before hinting the rest
+LOCATE_ATTEMPTS = 3   # a staged copy may vanish between being located and being mapped
+_PAGE_MASK = ~(mmap.PAGESIZE - 1)
+_HEAD_MASK = fmt.MAX_HEAD
+_KIND_SHIFT = 24
+
+
+class Reader:
+    """Reads records of one generation; `load()` moves it to another."""
+
+    def __init__(self, gen: Generation, *, source: ShardSource | None = None, copy_threads: int | None = None,
+                 readahead: bool = True) -> None:
+        self.root = gen.root
+        self.source = source
+        self._pid = os.getpid()
+        self._sealed: OrderedDict[str, SealedShard] = OrderedDict()  # sha -> handle, least recent first
+        self._sealed_ids: dict[str, int] = {}
+        # With staged copies, a mapped shard holds a reader lock that keeps it from eviction:
+        # keep only the most recently used few mapped, so tiers can turn over.
+        self.max_open: int | None = source.max_open if source is not None else None
+        self._tail_env: Any = None
+        self._plans: dict[bytes, fmt.Plan] = {}
+        self._copier = Copier(copy_threads)
+        self._readahead = readahead
+        self.gen = gen
+        self._handles: list[SealedShard | None] = [self._sealed.get(s.sha256) for s in gen.shards]
+
+    # ------------------------------------------------------------ lifecycle
+
+    def load(self, gen: Generation) -> None:
+        """Read `gen` from now on (mapped shards it shares with the old one stay mapped)."""
+        old_tail = self.gen.manifest.tail
+        self.gen = gen
+        self._handles = [self._sealed.get(s.sha256) for s in gen.shards]
+        if self._tail_env is not None and old_tail != gen.manifest.tail:
+            ENVS.release(self._tail_env)
+            self._tail_env = None
+
+    def check_fork(self) -> None:
+        """After fork, LMDB handles must not be used or closed in the child (the registry keeps
+        the parent's alive); memory maps stay valid across fork."""
+        if os.getpid() != self._pid:
+            self._tail_env = None
+            for h in self._sealed.values():
+                h.forget_env()
+            self._pid = os.getpid()
+
+    def close(self) -> None:
+        if os.getpid() == self._pid:
+            if self._tail_env is not None:
+                ENVS.release(self._tail_env)
+            for h in self._sealed.values():
+                h.close()
+        self._tail_env = None
+        self._sealed.clear()
+        self._handles = []
+        self._copier.close()
+
+    @property
+    def mapped_shards(self) -> int:
+        return len(self._sealed)
+
+    # ------------------------------------------------------------ reads
+
+    def positions(self, indices: Any) -> np.ndarray:
+        """Sample indices as int64 positions (negative from the end), bounds-checked."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = self.gen.index.count
+        if idx.size and (idx.min() < 0):
+            idx = np.where(idx < 0, idx + n, idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = idx[(idx < 0) | (idx >= n)][0]
+            raise IndexError(f"sample index {int(bad)} out of range for {n} samples in {self.root}")
+        return idx
+
+    def get_many(self, indices: Sequence[int] | np.ndarray, copy: bool = False) -> list[Any]:
+        """Records at sample indices, in the order given (views into the maps unless copy)."""
+        pos = self.positions(indices)
+        index = self.gen.index
+        shard, slot, rec = index.resolve(pos)
+        out: list[Any] = [None] * len(pos)
+        sealed = rec >= 0
+        all_sealed = bool(sealed.all())
+        where = np.arange(len(pos)) if all_sealed else np.nonzero(sealed)[0]
+        if len(where):
+            sh = shard if all_sealed else shard[where]
+            r = index.records[rec if all_sealed else rec[where]]
+            unknown = r["offset"] == fmt.UNKNOWN_OFFSET
+            if unknown.any():  # shards sealed where offsets could not be learned: read through LMDB
+                for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
+                    out[j] = self.decode_value(self._handle(s).lmdb_value(sl), copy)
+                where, sh, r = where[~unknown], sh[~unknown], r[~unknown]
+            hk = r["head_kind"]
+            ends = r["offset"].astype(np.int64) + (hk & _HEAD_MASK) + r["size"]
+            if (ends > index.shard_bytes[sh]).any():
+                raise CorruptDatasetError(f"{self.root}: side-index offsets run past a shard's end; run `kvdata reindex`")
+            if self.max_open is not None:
+                self._touch(np.unique(sh).tolist())
+            if self._readahead:
+                self._advise_willneed(sh, r, hk)
+            handles = self._handles
+            plans = self._plans
+            unpack = fmt.PREFIX.unpack_from
+            decode = fmt.decode_plan
+            for j, s, off, size, hk_ in zip(where.tolist(), sh.tolist(), r["offset"].tolist(),
+                                            r["size"].tolist(), hk.tolist()):
+                h = handles[s] or self._handle(s)
+                head = hk_ & _HEAD_MASK
+                if hk_ >> _KIND_SHIFT == fmt.KIND_RAW:
+                    a = off + head
+                    out[j] = h.mv[a:a + size] if not copy else h.mm[a:a + size]
+                else:
+                    a = off + fmt.PREFIX_SIZE
+                    lb = h.mm[a:a + unpack(h.mv, off)[5]]
+                    plan = plans.get(lb) or self._plan(lb)
+                    out[j] = decode(plan, h.u8, h.mv, off + head, copy)
+        if not all_sealed:
+            tail_at = np.nonzero(~sealed)[0]
+            for j, v in zip(tail_at.tolist(), self.tail_values(slot[tail_at].tolist())):
+                out[j] = self.decode_value(v, copy)
+        return out
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None,
+                  alloc: Alloc | None = None) -> Any:
+        """A batch as arrays (see Store.get_batch)."""
+        recs = self.get_many(indices)
+        if recs and not isinstance(recs[0], dict):
+            return [bytes(r) for r in recs]
+        if fields is not None:
+            recs = [{f: r[f] for f in fields} for r in recs]
+        return self._copier.stack(recs, alloc)
+
+    def _advise_willneed(self, sh: np.ndarray, r: np.ndarray, hk: np.ndarray) -> None:
+        """Readahead hints for a batch's large values -- unless a few probes (mincore) find
+        them already in the page cache, where a hint per value is only syscall overhead."""
+        big = r["size"] >= READAHEAD_MIN
+        if not big.any():
+            return
+        starts = r["offset"][big].astype(np.int64)
+        ends = starts + (hk[big] & _HEAD_MASK) + r["size"][big]
+        shards = sh[big].tolist()
+        step = max(1, len(shards) // READAHEAD_PROBES)
+        probe = range(0, len(shards), step)
+        if all(pages_resident(self._handle(shards[i]).u8.ctypes.data, (int(starts[i]), int(ends[i]) - 1))
+               for i in probe):
+            return
+        handles = self._handles
+        for s, a, b in zip(shards, starts.tolist(), ends.tolist()):
+            h = handles[s] or self._handle(s)
+            a0 = a & _PAGE_MASK
+            h.mm.madvise(mmap.MADV_WILLNEED, a0, b - a0)
+
+    def _touch(self, shard_ids: list[int]) -> None:
+        """Mark shards as just used, and unmap the least recently used beyond max_open
+        (their memory stays valid for views already handed out; only the lock is dropped)."""
+        shards = self.gen.shards
+        cold = [shards[s] for s in shard_ids if self._handles[s] is None]
+        if len(cold) > 1 and self.source is not None:
+            self.source.need(cold)
+        for s in shard_ids:
+            if self._handles[s] is None:
+                self._handle(s)
+            self._sealed.move_to_end(shards[s].sha256)
+        while self.max_open is not None and len(self._sealed) > max(self.max_open, len(shard_ids)):
+            sha, old = self._sealed.popitem(last=False)
+            sid = self._sealed_ids.pop(sha, None)
+            if sid is not None and sid < len(self._handles):
+                self._handles[sid] = None
+            old.close()
+
+    def _plan(self, layout_bytes: bytes) -> fmt.Plan:
+        """Decoding plan of a layout, cached: records of equal shapes share one."""
+        if len(self._plans) >= PLAN_CACHE_MAX:
+            self._plans.clear()
+        plan = self._plans[layout_bytes] = fmt.make_plan(msgpack.unpackb(layout_bytes))
+        return plan
+
+    def decode_value(self, v: bytes, copy: bool) -> Any:
+        """A record from its LMDB value bytes (tail records, shards without offsets)."""
+        h = fmt.RecordHeader(v)
+        if h.kind == fmt.KIND_RAW:
+            return bytes(v[h.head:]) if copy else memoryview(v)[h.head:]
+        plan = self._plan(bytes(v[fmt.PREFIX_SIZE:fmt.PREFIX_SIZE + h.layout_len]))
+        return fmt.decode_plan(plan, np.frombuffer(v, np.uint8), memoryview(v), h.head, copy)
+
+    def _handle(self, shard_id: int) -> SealedShard:
+        """The mapped handle of a sealed shard, mapping it now if needed."""
+        h = self._handles[shard_id]
+        if h is not None:
+            return h
+        entry = self.gen.shards[shard_id]
+        h = self._sealed.get(entry.sha256)
+        if h is None:
+            h = self._map_shard(entry)
+            self._sealed[entry.sha256] = h
+        self._sealed_ids[entry.sha256] = shard_id
+        self._handles[shard_id] = h
+        return h
+
+    def tail_values(self, slots: list[int]) -> list[bytes]:
+        """Copies of tail records (LMDB buffers die with their transaction)."""
+        env = self._open_tail()
+        if env is None:  # the tail was sealed since we loaded: same slots, now a sealed file
+            h = self._sealed_former_tail()
+            return [h.lmdb_value(s) for s in slots]
+        out = []
+        with ENVS.read(env) as txn:
+            for s in slots:
+                v = txn.get(fmt.slot_key(s))
+                if v is None:
+                    raise CorruptDatasetError(f"{self.root}: tail record {s} is missing; run `kvdata verify`")
+                out.append(v)
+        return out
+
+    def _open_tail(self) -> Any:
+        if self._tail_env is None:
+            try:
+                self._tail_env = open_tail_for_read(self.gen.tail_path, self.gen.manifest.shard_size)
+            except FileNotFoundError:
+                return None
+        return self._tail_env
+
+    def _map_shard(self, entry: ShardEntry) -> SealedShard:
+        """Map the fastest complete copy; if a staged copy vanishes before we map it, look again."""
+        if self.source is None:
+            return SealedShard(self.gen.shard_path(entry), entry.bytes)
+        for attempt in range(LOCATE_ATTEMPTS):
+            path, staged = self.source.locate(entry)
+            try:
+                h = SealedShard(path, entry.bytes, hold_lock=staged)
+                self.source.mapped(entry)
+                return h
+            except MissingShardError:
+                if not staged or attempt == LOCATE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _sealed_former_tail(self) -> SealedShard:
+        tid = self.gen.manifest.tail.id
+        current = read_manifest(self.root)
+        for e in current.shards:
+            if e.id == tid:
+                return self._map_shard(e)
+        raise CorruptDatasetError(f"{self.root}: tail shard {self.gen.manifest.tail.name} is missing; run `kvdata reindex`")
+
+    # ------------------------------------------------------------ metadata without payloads
+
+    def metas(self, positions: Any) -> list[tuple[int, dict[str, Any]]]:
+        """(kind, meta) of the records at sample positions: keys and labels without payloads."""
+        pos = self.positions(positions)
+        index = self.gen.index
+        shard, slot, rec = index.resolve(pos)
+        out: list[Any] = [None] * len(pos)
+        tail_at: list[int] = []
+        offs = np.zeros(len(pos), np.uint64)
+        offs[rec >= 0] = index.records["offset"][rec[rec >= 0]]
+        for j, (s, r, off) in enumerate(zip(shard.tolist(), rec.tolist(), offs.tolist())):
+            if r < 0:
+                tail_at.append(j)
+                continue
+            h = self._handles[s] or self._handle(s)
+            if off == int(fmt.UNKNOWN_OFFSET):
+                v = h.lmdb_value(int(slot[j]))
+                hd = fmt.RecordHeader(v)
+                out[j] = (hd.kind, hd.meta(v))
+                continue
+            if off + fmt.PREFIX_SIZE > len(h.mv):
+                raise CorruptDatasetError(f"{self.root}: side-index offsets run past a shard's end; run `kvdata reindex`")
+            hd = fmt.RecordHeader(h.mv[off:off + fmt.MAX_HEAD + 1])
+            out[j] = (hd.kind, _meta(h.mv, off, hd))
+        if tail_at:
+            for j, v in zip(tail_at, self.tail_values([int(slot[j]) for j in tail_at])):
+                hd = fmt.RecordHeader(v)
+                out[j] = (hd.kind, hd.meta(v))
+        return out
+
+    def find(self, key: str | bytes) -> int | None:
+        """Sample index of `key`, or None."""
+        kb = fmt.check_key(key)
+        skey = kb.decode("utf-8")
+        index = self.gen.index
+        for p in index.candidates(fmt.key_hash(kb)):
+            if p < index.count and self.metas([p])[0][1].get("k") == skey:
+                return p
+        return None
+
+    def contains(self, key: object) -> bool:
+        try:
+            return self.find(key) is not None  # type: ignore[arg-type]
+        except InvalidKeyError:
+            return False
+
+
+def _meta(mv: memoryview, off: int, hd: fmt.RecordHeader) -> dict[str, Any]:
+    s0 = off + fmt.PREFIX_SIZE + hd.layout_len
+    try:
+        meta = msgpack.unpackb(mv[s0:s0 + hd.meta_len])
+    except (ValueError, msgpack.ExtraData) as e:
+        raise CorruptDatasetError(f"record header at offset {off} is damaged ({e}); run `kvdata verify`") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("k"), str):
+        raise CorruptDatasetError(f"record header at offset {off} is damaged; run `kvdata verify`")
+    return meta
+

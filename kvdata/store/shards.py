@@ -1,0 +1,353 @@
+"""LMDB shard files: the open tail that takes appends, sealing, and read handles.
+
+A shard is a real LMDB file (subdir=False) whose keys are 8-byte big-endian slot
+numbers in append order and whose values are kvdata records. Sealed shards are
+immutable, so besides LMDB access we map them ourselves and read a value by its
+file offset (recorded at seal time in the side-index): no B-tree walk, no
+transaction, exactly the cost of an np.memmap slice.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import lmdb
+import numpy as np
+
+from .. import format as fmt
+from .._util.fsutil import fsync_dir, fsync_file, unlink_quiet
+from ..errors import CorruptDatasetError, MissingShardError
+from ..format import ShardEntry, ZstCopy, names
+from ..format.codec import compress_file, file_sha256
+
+MAX_READERS = 1024
+_PAGE = 4096
+
+
+def tail_map_size(shard_size: int) -> int:
+    """LMDB map size for a tail: room for a full shard plus B-tree and free-page slack."""
+    size = max(2 * shard_size, shard_size + (64 << 20))
+    return (size + _PAGE - 1) // _PAGE * _PAGE
+
+
+class EnvRegistry:
+    """One LMDB Environment per shard file per process, shared and reference-counted.
+
+    LMDB forbids opening one file twice in a process (its POSIX locks are per
+    process, so closing one handle would drop the other's locks); py-lmdb refuses
+    it. Every Store, the writer, verify and reindex in a process therefore borrow
+    environments from here. Tail envs are opened read-write when the file allows it
+    so a writer and readers in one process can share them; readers never begin a
+    write transaction.
+
+    After fork, the child closes the environments it inherited (py-lmdb would
+    otherwise refuse to reopen those files): LMDB's close only clears reader slots
+    of the calling pid, and fcntl locks are not inherited, so the parent is
+    untouched -- unless a transaction was live at the fork, whose abort would
+    touch shared state; such an env is left alone (`busy` counts live txns).
+    """
+
+    def __init__(self) -> None:
+        self._envs: dict[str, list[Any]] = {}
+        self._busy: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._leftovers: list[Any] = []
+
+    def _after_fork(self) -> None:
+        for env, _n in self._envs.values():
+            if self._busy.get(id(env)):
+                self._leftovers.append(env)
+            else:
+                try:
+                    env.close()
+                except lmdb.Error:
+                    self._leftovers.append(env)
+        self._envs, self._busy = {}, {}
+        self._pid = os.getpid()
+
+    def acquire(self, path: Path, *, sealed: bool, shard_size: int = 0, create: bool = False) -> lmdb.Environment:
+        key = os.path.realpath(path)
+        with self._lock:
+            if self._pid != os.getpid():
+                self._after_fork()
+            slot = self._envs.get(key)
+            if slot is not None:
+                slot[1] += 1
+                return slot[0]
+            if not create and not os.path.exists(key):
+                raise FileNotFoundError(errno.ENOENT, "no such shard file", str(path))
+            env = _open_sealed(key) if sealed else _open_tail(key, shard_size, create)
+            self._envs[key] = [env, 1]
+            return env
+
+    def release(self, env: lmdb.Environment) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            for key, slot in list(self._envs.items()):
+                if slot[0] is env:
+                    slot[1] -= 1
+                    if slot[1] <= 0:
+                        del self._envs[key]
+                        self._busy.pop(id(env), None)
+                        env.close()
+                    return
+
+    def mark_busy(self, env: lmdb.Environment, delta: int) -> None:
+        """Count a transaction opened (+1) or ended (-1) on env."""
+        with self._lock:
+            self._busy[id(env)] = self._busy.get(id(env), 0) + delta
+
+    @contextmanager
+    def read(self, env: lmdb.Environment, buffers: bool = False) -> Iterator[Any]:
+        """A read transaction that the fork logic above knows about."""
+        self.mark_busy(env, 1)
+        try:
+            with env.begin(buffers=buffers) as txn:
+                yield txn
+        finally:
+            self.mark_busy(env, -1)
+
+
+ENVS = EnvRegistry()
+
+
+def _open_tail(path: str, shard_size: int, create: bool) -> lmdb.Environment:
+    """A tail env takes part in LMDB's reader table, so the writer never reuses pages a
+    reader may still be reading; same flags for every user so one env serves all."""
+    map_size = tail_map_size(shard_size)
+    try:
+        return lmdb.open(path, subdir=False, map_size=map_size, max_readers=MAX_READERS, max_dbs=0, sync=True,
+                         metasync=True, meminit=False, readahead=True, lock=True, create=create,
+                         max_spare_txns=0)
+    except lmdb.Error:
+        if create or os.access(path, os.W_OK):
+            raise
+        return lmdb.open(path, subdir=False, readonly=True, lock=True, max_readers=MAX_READERS,
+                         max_spare_txns=0, create=False)
+
+
+def _open_sealed(path: str) -> lmdb.Environment:
+    """LMDB view of an immutable shard: no lock file, so it works on read-only copies."""
+    return lmdb.open(path, subdir=False, readonly=True, lock=False, create=False,
+                     max_spare_txns=0, map_size=max(os.path.getsize(path), _PAGE))
+
+
+def open_tail_for_write(path: Path, shard_size: int) -> lmdb.Environment:
+    return ENVS.acquire(path, sealed=False, shard_size=shard_size, create=True)
+
+
+def open_tail_for_read(path: Path, shard_size: int) -> lmdb.Environment:
+    return ENVS.acquire(path, sealed=False, shard_size=shard_size)
+
+
+def open_sealed_lmdb(path: Path) -> lmdb.Environment:
+    return ENVS.acquire(path, sealed=True)
+
+
+def truncate_tail(env: lmdb.Environment, committed: int) -> None:
+    """Drop slots >= committed: what a crashed writer wrote but never committed."""
+    with env.begin(write=True) as txn:
+        entries = txn.stat()["entries"]
+        if entries < committed:
+            raise CorruptDatasetError(
+                f"{env.path()}: holds {entries} records but the manifest committed {committed}; "
+                "restore the file or run `kvdata reindex`"
+            )
+        if entries > committed:
+            cur = txn.cursor()
+            while cur.set_range(fmt.slot_key(committed)):
+                cur.delete()
+
+
+def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool) -> tuple[ShardEntry, np.ndarray]:
+    """Copy the tail compacted into an immutable shard; return (manifest entry, record rows).
+
+    The shard and its .zst appear under their real names only once complete and fsync'ed.
+    """
+    dest = shards_dir / names.shard_name(shard_id)
+    tmp = dest.with_name(dest.name + ".tmp")
+    ztmp = dest.with_name(dest.name + ".zst.tmp")
+    unlink_quiet(tmp)
+    try:
+        tail_env.copy(str(tmp), compact=True)
+        fsync_file(tmp)
+        records = scan(tmp)
+        size, sha = file_sha256(tmp)
+        zst = None
+        if compress:
+            with open(ztmp, "wb") as f:
+                zsize, zsha = compress_file(tmp, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(ztmp, dest.with_name(names.zst_name(dest.name)))
+            zst = ZstCopy(names.zst_name(dest.name), zsize, zsha)
+        entry = ShardEntry(shard_id, dest.name, int(len(records)), size, sha, zst)
+        os.replace(tmp, dest)
+        fsync_dir(shards_dir)
+    except BaseException:
+        unlink_quiet(tmp)
+        unlink_quiet(ztmp)
+        raise
+    return entry, records
+
+
+def _map_base(path: Path, addr: int) -> int | None:
+    """File offset 0's address in the mapping of `path` that contains `addr`."""
+    ino = os.stat(path).st_ino
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) < 5 or int(parts[4]) != ino:
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    return lo - int(parts[2], 16)
+    except OSError:
+        return None
+    return None
+
+
+def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], None] | None = None) -> np.ndarray:
+    """Record rows (offset, size, head|kind) of every slot of a shard file, in slot order.
+
+    Offsets come from where LMDB's own map places each value; if they cannot be
+    determined (no /proc), rows carry UNKNOWN_OFFSET and reads go through LMDB.
+    `on_record(slot, header, value)` sees each record (for a rebuild of the index).
+    """
+    env = open_sealed_lmdb(path)
+    try:
+        with ENVS.read(env, buffers=True) as txn:
+            n = txn.stat()["entries"]
+            rows = np.zeros(n, dtype=fmt.RECORD_DTYPE)
+            base: int | None = None
+            for i, (k, v) in enumerate(txn.cursor()):
+                if fmt.slot_of(bytes(k)) != i:
+                    raise CorruptDatasetError(f"{path}: slot {i} is missing; the shard is damaged")
+                h = fmt.RecordHeader(v)
+                addr = np.frombuffer(v, np.uint8).ctypes.data
+                if i == 0:
+                    base = _map_base(path, addr)
+                rows[i] = (addr - base if base is not None else fmt.UNKNOWN_OFFSET,
+                           len(v) - h.head, h.head | (h.kind << 24))
+                if on_record is not None:
+                    on_record(i, h, v)
+    except lmdb.Error as e:
+        raise CorruptDatasetError(f"{path}: LMDB cannot read this shard ({e}); restore it from a copy") from None
+    finally:
+        ENVS.release(env)
+    if base is not None and n:
+        _check_offsets(path, rows)
+    return rows
+
+
+def _check_offsets(path: Path, rows: np.ndarray) -> None:
+    """Cross-check a few offsets against the file itself; fall back to LMDB reads if off."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for i in sorted({0, len(rows) // 2, len(rows) - 1}):
+            off = int(rows["offset"][i])
+            head = os.pread(f.fileno(), fmt.PREFIX_SIZE, off) if off + fmt.PREFIX_SIZE <= size else b""
+            ok = len(head) == fmt.PREFIX_SIZE
+            if ok:
+                magic, kind, _v, _f, hd, _ll, _ml, _crc = fmt.PREFIX.unpack(head)
+                ok = magic == fmt.MAGIC and (hd | kind << 24) == int(rows["head_kind"][i])
+            if not ok:
+                rows["offset"] = fmt.UNKNOWN_OFFSET
+                return
+
+
+class SealedShard:
+    """A read-only memory map of one sealed shard file, shared by all reads in a process."""
+
+    __slots__ = ("path", "mm", "u8", "mv", "_env", "_fd")
+
+    def __init__(self, path: Path, expected_bytes: int, hold_lock: bool = False) -> None:
+        """hold_lock: keep a shared flock on the file while mapped (staged copies: the
+        engine's eviction takes an exclusive one, so it never removes a shard in use)."""
+        self.path = path
+        self._fd: int | None = None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingShardError(
+                f"shard {path} is missing; restore it (or re-stage it) and run `kvdata verify`"
+            ) from None
+        try:
+            if hold_lock:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            size = os.fstat(fd).st_size
+            if size != expected_bytes:
+                raise CorruptDatasetError(
+                    f"shard {path} has {size} bytes, the manifest says {expected_bytes}; restore it and run `kvdata verify`"
+                )
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        if hold_lock:
+            self._fd = fd
+        else:
+            os.close(fd)
+        self.mm = mm
+        self.u8 = np.frombuffer(mm, dtype=np.uint8)
+        self.mv = memoryview(mm)
+        self._env: lmdb.Environment | None = None
+
+    def lmdb_value(self, slot: int) -> bytes:
+        """A copy of a value read through LMDB (when the index has no offset for it)."""
+        if self._env is None:
+            self._env = open_sealed_lmdb(self.path)  # held for the process's life; shards are few
+        with ENVS.read(self._env) as txn:
+            v = txn.get(fmt.slot_key(slot))
+        if v is None:
+            raise CorruptDatasetError(f"shard {self.path}: slot {slot} is missing; run `kvdata verify`")
+        return v
+
+    def forget_env(self) -> None:
+        """After fork: drop the parent's LMDB env without closing it (the registry keeps it)."""
+        self._env = None
+
+    def close(self) -> None:
+        """Give back the LMDB env and the reader lock (the memory map lives on while views of it exist)."""
+        if self._env is not None:
+            ENVS.release(self._env)
+            self._env = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def advise(self, advice: int) -> None:
+        """Pass an madvise hint (e.g. MADV_RANDOM) for the whole map."""
+        try:
+            self.mm.madvise(advice)
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
+def iter_lmdb_records(path: Path, tail: bool, shard_size: int = 0) -> Iterator[tuple[int, memoryview]]:
+    """(slot, value) of every record through LMDB, for verify and rebuild of a tail."""
+    env = open_tail_for_read(path, shard_size) if tail else open_sealed_lmdb(path)
+    try:
+        with ENVS.read(env, buffers=True) as txn:
+            for k, v in txn.cursor():
+                yield fmt.slot_of(bytes(k)), v
+    finally:
+        ENVS.release(env)

@@ -1,0 +1,47 @@
+"""Where a reader's sealed shards come from when they are not read in place.
+
+The store only needs a verified, complete file per shard; who stages it (an
+in-process engine, or kvdatad through its socket) is behind this one protocol.
+`kvdata.tiers.source.EngineSource` and `kvdata.reader.daemon_client.DaemonStager`
+implement it; a Store opened without one reads the shards where they lie.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from ..format import ShardEntry
+
+
+class ShardSource(Protocol):
+    """Locates verified copies of sealed shards and learns what readers will need."""
+
+    #: shards a reader keeps mapped at once (a mapped staged copy cannot be evicted)
+    max_open: int
+
+    @property
+    def home(self) -> Any:
+        """The dataset's home (kvdata.tiers.homes.Home)."""
+
+    @property
+    def stager(self) -> Any:
+        """The object that stages, evicts and reports status (an Engine, or the daemon stager)."""
+
+    def locate(self, entry: ShardEntry) -> tuple[Path, bool]:
+        """(path of a complete copy, whether it is a staged copy to hold a reader lock on)."""
+
+    def mapped(self, entry: ShardEntry) -> None:
+        """The reader has mapped (and reader-locked) the copy."""
+
+    def need(self, entries: Sequence[ShardEntry]) -> None:
+        """A batch needs these unmapped shards now: start them all at once."""
+
+    def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0) -> None:
+        """A reader's shard order for its epoch (and the next)."""
+
+    def progress(self, reader: str, position: int) -> None:
+        """How far along its announced order a reader is."""
+
+    def close(self) -> None:
+        """Release what the source owns (engine threads, the daemon connection, the home)."""

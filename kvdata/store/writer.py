@@ -1,0 +1,461 @@
+"""The single writer of a dataset: appends, overwrites, deletes, sealing and atomic commits.
+
+Commit protocol (a crash at any instant leaves the old or the new generation):
+  1. the tail's LMDB transaction commits and is synced (sealed shards were fsync'ed when sealed);
+  2. the new side-index rows/runs go to files no reader of the old generation looks at, fsync'ed;
+  3. manifest.json is replaced by rename (the commit point), and the directory fsync'ed;
+  4. files the new generation no longer references are removed.
+Opening a writer (and a failed commit) runs recovery: orphan files are removed and the tail is
+cut back to the slots the manifest committed.
+
+The writer reads the committed generation only through its Reader's public methods
+(key lookups for overwrites) and hands it each new Generation.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import lmdb
+import numpy as np
+
+from .. import format as fmt
+from .._util.fsutil import atomic_write, fsync_dir, unlink_quiet
+from .._util.sizes import parse_size
+from ..errors import (ClosedError, CommitError, CorruptDatasetError, MissingShardError, NotADatasetError,
+                      RecordTooLargeError)
+from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, names
+from . import index as ix
+from .generation import Generation, load_generation, read_manifest
+from .lock import WriterLock
+from .reader import Reader
+from .shards import ENVS, open_tail_for_write, seal, truncate_tail
+
+LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
+RECORD_OVERHEAD = 64       # LMDB's per-record bytes beyond the value, for sealing decisions
+DEFAULT_SHARD_SIZE = 256_000_000
+PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
+
+Row = tuple[int, int, int]  # (shard id, slot, label) of one sample
+
+
+@dataclass
+class Pending:
+    """Everything written since the last commit, discarded as one on failure."""
+
+    sealed: list[tuple[ShardEntry, np.ndarray]] = field(default_factory=list)  # (entry, record rows)
+    new_keys: dict[str, int] = field(default_factory=dict)  # key -> position in new_rows
+    new_rows: list[Row] = field(default_factory=list)
+    new_hash: list[int] = field(default_factory=list)
+    new_alive: list[bool] = field(default_factory=list)
+    over: dict[int, Row] = field(default_factory=dict)       # committed position -> new row
+    deleted: set[int] = field(default_factory=set)           # committed positions
+    dirty: bool = False
+    seal_requested: bool = False
+
+
+class Writer:
+    """The pending writes of one dataset opened with mode a/w, and its Reader."""
+
+    def __init__(self, root: Path, *, shard_size: int | str | None, compress: bool, reset: bool,
+                 make_reader: Callable[[Generation], Reader]) -> None:
+        self.root = root
+        if root.exists() and not root.is_dir():
+            raise NotADatasetError(f"{root} exists and is not a directory; choose another dataset path")
+        if root.exists() and not (root / names.MANIFEST).exists() and not (root / names.SHARDS_DIR).exists() \
+                and any(p.name != names.LOCK for p in root.iterdir()):
+            raise NotADatasetError(f"{root} exists, is not empty and is not a kvdata dataset; choose another path")
+        fresh_dir = not root.exists() or not any(root.iterdir())
+        root.mkdir(parents=True, exist_ok=True)
+        self._lock: WriterLock | None = WriterLock(root)
+        self._created = False  # True: this writer made the dataset, so a failed first write removes it
+        self._make_reader = make_reader
+        self.reader: Reader | None = None
+        self.txn: Any = None
+        self.env: Any = None
+        self._old_envs: dict[int, Any] = {}
+        self.failed = False
+        try:
+            (root / names.SHARDS_DIR).mkdir(exist_ok=True)
+            (root / names.INDEX_DIR).mkdir(exist_ok=True)
+            requested = None if shard_size is None else parse_size(shard_size, "shard_size")
+            if reset or not (root / names.MANIFEST).exists():
+                self._created = fresh_dir and not reset
+                self._start_empty(requested or DEFAULT_SHARD_SIZE, compress)
+            self._recover()
+            if requested is not None and requested != self.shard_size:
+                self.shard_size = requested  # applies to shards sealed from now on
+                self.m = self.m.replace(shard_size=requested)
+                self.pending.dirty = True
+        except BaseException:
+            self._unlock()
+            raise
+
+    @property
+    def shards_dir(self) -> Path:
+        return self.root / names.SHARDS_DIR
+
+    # ------------------------------------------------------------ setup and recovery
+
+    def _start_empty(self, shard_size: int, compress: bool) -> None:
+        generation = 0
+        try:
+            old = read_manifest(self.root)
+            generation = old.generation + 1
+            # the old tail must not be reused in place: unlink it so open readers keep their copy
+            unlink_quiet(self.shards_dir / old.tail.name)
+            unlink_quiet(self.shards_dir / names.lmdb_lock_name(old.tail.name))
+        except (NotADatasetError, CorruptDatasetError):
+            pass
+        unlink_quiet(self.shards_dir / names.tail_name(0))
+        unlink_quiet(self.shards_dir / names.lmdb_lock_name(names.tail_name(0)))
+        atomic_write(self.root / names.MANIFEST, fmt.dump_manifest(fmt.new_manifest(shard_size, compress, generation)))
+
+    def _recover(self) -> None:
+        """Bring files back to exactly what manifest.json says and reset pending state."""
+        self._close_envs(abort=True)
+        m = read_manifest(self.root)
+        self.m = m
+        self.shard_size = m.shard_size
+        self.compress = m.compress
+        for p in self.root.glob(names.MANIFEST + ".tmp*"):  # a writer killed while replacing the manifest
+            unlink_quiet(p)
+        keep_shards = {s.name for s in m.shards} | {s.zst.name for s in m.shards if s.zst}
+        tail = m.tail.name
+        keep_shards |= {tail, names.lmdb_lock_name(tail)}
+        for p in self.shards_dir.iterdir():
+            if p.name not in keep_shards:
+                unlink_quiet(p)
+        keep_index = {n for n in (m.index.samples, m.index.records) if n} | {r.name for r in m.index.keys}
+        for p in (self.root / names.INDEX_DIR).iterdir():
+            if p.name not in keep_index:
+                unlink_quiet(p)
+        for s in m.shards:
+            if not (self.shards_dir / s.name).exists():
+                raise MissingShardError(f"shard {self.shards_dir / s.name} is missing; restore it before writing")
+        tail_path = self.shards_dir / tail
+        if not tail_path.exists() and m.tail.records:
+            raise CorruptDatasetError(f"tail shard {tail_path} is missing; restore it or run `kvdata reindex`")
+        try:
+            self.env = open_tail_for_write(tail_path, self.shard_size)
+            truncate_tail(self.env, m.tail.records)
+        except lmdb.Error as e:
+            raise CorruptDatasetError(f"{tail_path}: cannot open the tail shard ({e}); run `kvdata reindex`") from None
+        self.tail_id = m.tail.id
+        self.tail_slots = m.tail.records
+        info = self.env.info()
+        self.tail_bytes = (info["last_pgno"] + 1) * 4096 if self.tail_slots else 0
+        self.txn_bytes = 0
+        self.pending = Pending()
+        self.schema = dict(m.fields)
+        self._last_schema: dict[str, Any] | None = None
+        self.classes = list(m.classes)
+        self._publish(load_generation(self.root))
+        self.failed = False
+
+    def _publish(self, gen: Generation) -> None:
+        """Readers in this process see `gen` from now on."""
+        if self.reader is None:
+            self.reader = self._make_reader(gen)
+        else:
+            self.reader.load(gen)
+
+    def _committed(self) -> Reader:
+        assert self.reader is not None  # set by the first recovery, before any write
+        return self.reader
+
+    def _close_envs(self, abort: bool) -> None:
+        if self.txn is not None:
+            ENVS.mark_busy(self.env, -1)
+            try:
+                self.txn.abort() if abort else self.txn.commit()
+            except lmdb.Error:
+                pass
+            self.txn = None
+        for e in list(self._old_envs.values()) + ([self.env] if self.env is not None else []):
+            ENVS.release(e)
+        self._old_envs.clear()
+        self.env = None
+
+    def _check(self) -> None:
+        if self._lock is None or self.failed:
+            raise ClosedError(f"{self.root}: the writer is closed or failed; open the dataset again to write")
+
+    # ------------------------------------------------------------ writes
+
+    def request_seal(self) -> None:
+        self.pending.seal_requested = True
+
+    def set_classes(self, classes: list[str]) -> None:
+        self.classes = classes
+
+    def put(self, key: str, value: Any, label: int | None) -> None:
+        self._check()
+        kb = fmt.check_key(key)
+        skey = kb.decode("utf-8")
+        rec, label, layout = fmt.encode_record(skey, value, label)
+        self._put_record(skey, fmt.key_hash(kb), rec, label, layout, self._committed_pos(skey, kb))
+
+    def put_many(self, pairs: Iterable[tuple[Any, ...]]) -> int:
+        self._check()
+        n = 0
+        chunk: list[tuple[Any, ...]] = []
+        for pair in pairs:
+            chunk.append(pair)
+            if len(chunk) >= PUT_CHUNK:
+                n += self._put_chunk(chunk)
+                chunk = []
+        if chunk:
+            n += self._put_chunk(chunk)
+        return n
+
+    def _put_chunk(self, chunk: list[tuple[Any, ...]]) -> int:
+        keys: list[str] = []
+        hashes: list[int] = []
+        for item in chunk:
+            kb = fmt.check_key(item[0])
+            keys.append(kb.decode("utf-8"))
+            hashes.append(fmt.key_hash(kb))
+        found: dict[int, int] = {}
+        reader = self._committed()
+        q, p = reader.gen.index.candidates_many(np.array(hashes, dtype=np.uint64))
+        if len(q):
+            metas = reader.metas(p)
+            for qi, pi, (_k, meta) in zip(q.tolist(), p.tolist(), metas):
+                if meta["k"] == keys[qi]:
+                    found[qi] = pi
+        deleted = self.pending.deleted
+        for i, (item, skey, h) in enumerate(zip(chunk, keys, hashes)):
+            value = item[1]
+            label = item[2] if len(item) > 2 else None
+            rec, label, layout = fmt.encode_record(skey, value, label)
+            pos = found.get(i)
+            self._put_record(skey, h, rec, label, layout, None if pos is None or pos in deleted else pos)
+        return len(chunk)
+
+    def _committed_pos(self, skey: str, kb: bytes) -> int | None:
+        if skey in self.pending.new_keys:
+            return None
+        reader = self._committed()
+        for p in reader.gen.index.candidates(fmt.key_hash(kb)):
+            if p not in self.pending.deleted and reader.metas([p])[0][1]["k"] == skey:
+                return p
+        return None
+
+    def _put_record(self, skey: str, h: int, rec: bytes, label: int | None, layout: list,
+                    committed: int | None) -> None:
+        slot = self._append(skey, rec)
+        row = (self.tail_id, slot, fmt.NO_LABEL if label is None else int(label))
+        p = self.pending
+        i = p.new_keys.get(skey)
+        if i is not None:
+            p.new_rows[i] = row
+        elif committed is not None:
+            p.over[committed] = row
+        else:
+            p.new_keys[skey] = len(p.new_rows)
+            p.new_rows.append(row)
+            p.new_hash.append(h)
+            p.new_alive.append(True)
+        if layout:
+            sch = fmt.field_schema(layout)
+            if sch != self._last_schema:
+                self.schema = fmt.merge_schema(self.schema, sch)
+                self._last_schema = sch
+
+    def delete(self, key: str) -> None:
+        self._check()
+        kb = fmt.check_key(key)
+        skey = kb.decode("utf-8")
+        p = self.pending
+        i = p.new_keys.pop(skey, None)
+        committed = None if i is not None else self._committed_pos(skey, kb)
+        if i is None and committed is None:
+            raise KeyError(f"{key!r} is not in {self.root}")
+        self._append(skey, fmt.encode_tombstone(skey))
+        if i is not None:
+            p.new_alive[i] = False
+        elif committed is not None:
+            p.deleted.add(committed)
+            p.over.pop(committed, None)
+
+    def _append(self, skey: str, rec: bytes) -> int:
+        """Put one record into the tail (sealing it first if full); return its slot."""
+        need = len(rec) + RECORD_OVERHEAD
+        if need > self.shard_size:
+            raise RecordTooLargeError(
+                f"key {skey!r}: record of {len(rec)} bytes does not fit in a shard of {self.shard_size} bytes; "
+                "use a larger --shard-size"
+            )
+        if self.tail_slots and self.tail_bytes + need > self.shard_size:
+            self._seal()
+        if self.txn is None:
+            self.txn = self.env.begin(write=True)
+            ENVS.mark_busy(self.env, 1)
+        slot = self.tail_slots
+        try:
+            self.txn.put(fmt.slot_key(slot), rec, append=True)
+        except lmdb.MapFullError:
+            self._fail()
+            raise CommitError(f"{self.root}: the tail shard's map is full; commit more often or lower --shard-size") from None
+        self.tail_slots += 1
+        self.tail_bytes += need
+        self.txn_bytes += need
+        self.pending.dirty = True
+        if self.txn_bytes >= LMDB_TXN_BYTES:
+            self._flush_txn()
+        return slot
+
+    def _flush_txn(self) -> None:
+        if self.txn is not None:
+            txn, self.txn = self.txn, None
+            ENVS.mark_busy(self.env, -1)
+            txn.commit()
+        self.txn_bytes = 0
+
+    def _seal(self) -> None:
+        """Turn the full tail into an immutable shard; later records go to a new tail."""
+        try:
+            self._flush_txn()
+            self.env.sync(True)
+            entry, records = seal(self.env, self.shards_dir, self.tail_id, self.compress)
+        except (OSError, lmdb.Error) as e:
+            self._fail()
+            raise CommitError(self._failure_message(e)) from None
+        self.pending.sealed.append((entry, records))
+        self._old_envs[self.tail_id] = self.env
+        self.tail_id += 1
+        self.env = open_tail_for_write(self.shards_dir / names.tail_name(self.tail_id), self.shard_size)
+        self.tail_slots = 0
+        self.tail_bytes = 0
+
+    # ------------------------------------------------------------ commit
+
+    def commit(self) -> int:
+        self._check()
+        p = self.pending
+        if p.seal_requested and self.tail_slots:
+            self._seal()
+            p.dirty = True
+        p.seal_requested = False
+        if not p.dirty and self.classes == list(self.m.classes):
+            return self.m.generation
+        try:
+            self._flush_txn()
+            self.env.sync(True)
+            new_m, stale = self._write_generation()
+        except (OSError, lmdb.Error) as e:
+            self._fail()
+            raise CommitError(self._failure_message(e)) from None
+        for name in stale:
+            unlink_quiet(self.root / name)
+        for tid, env in list(self._old_envs.items()):
+            ENVS.release(env)
+            unlink_quiet(self.shards_dir / names.tail_name(tid))
+            unlink_quiet(self.shards_dir / names.lmdb_lock_name(names.tail_name(tid)))
+        self._old_envs.clear()
+        self.m = new_m
+        self.pending = Pending()
+        self._publish(load_generation(self.root))
+        return new_m.generation
+
+    def _failure_message(self, e: BaseException) -> str:
+        gen = self.m.generation
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or isinstance(e, lmdb.MapFullError):
+            why = "the disk is full"
+        elif isinstance(e, lmdb.Error):  # LMDB reports ENOSPC/EFBIG as text, often as a bare I/O error
+            why = f"writing the tail shard failed: {e}; is the disk full?"
+        else:
+            why = str(e)
+        return (f"{self.root}: commit failed ({why}); the dataset is unchanged at generation {gen} and the "
+                "writes since the last commit were discarded; free space and write them again")
+
+    def _fail(self) -> None:
+        """Discard pending writes and return the files to the last committed generation."""
+        try:
+            self._recover()
+        except Exception:
+            self.failed = True
+
+    def _write_generation(self) -> tuple[Manifest, list[str]]:
+        m = self.m
+        p = self.pending
+        gen = m.generation + 1
+        index_dir = self.root / names.INDEX_DIR
+        idx = self._committed().gen.index
+        old = m.index
+        stale: list[str] = []
+        n = idx.count
+        live = [i for i, a in enumerate(p.new_alive) if a]
+        new_rows = np.array([p.new_rows[i] for i in live], dtype=fmt.SAMPLE_DTYPE)
+        new_hash = np.array([p.new_hash[i] for i in live], dtype=np.uint64)
+
+        records_name, records_count = old.records, old.records_count
+        if p.sealed:
+            rows = np.concatenate([r for _e, r in p.sealed])
+            records_name = records_name or names.records_name(gen)
+            ix.append_rows(index_dir / records_name, records_count, rows)
+            records_count += len(rows)
+
+        if not p.over and not p.deleted:
+            samples_name = old.samples or names.samples_name(gen)
+            ix.append_rows(index_dir / samples_name, n, new_rows)
+            runs = ix.add_key_run(index_dir, old.keys, gen, new_hash, np.arange(n, n + len(live), dtype=np.uint64))
+            count = n + len(live)
+        else:
+            samples = np.array(idx.samples)
+            for pos, row in p.over.items():
+                samples[pos] = row
+            hashes = ix.all_key_hashes(idx)
+            keep = np.ones(n, dtype=bool)
+            keep[list(p.deleted)] = False
+            samples = np.concatenate([samples[keep], new_rows])
+            hashes = np.concatenate([hashes[keep], new_hash])
+            samples_name = names.samples_name(gen)
+            ix.write_new(index_dir / samples_name, samples)
+            run_name = names.keys_name(gen, 0)
+            ix.write_key_run(index_dir / run_name, hashes, np.arange(len(samples), dtype=np.uint64))
+            runs = [KeyRunEntry(run_name, int(len(samples)))]
+            count = len(samples)
+        fsync_dir(index_dir)
+        referenced = {samples_name, records_name} | {r.name for r in runs}
+        stale += [f"{names.INDEX_DIR}/{name}" for name in {old.samples} | {r.name for r in old.keys}
+                  if name and name not in referenced]
+
+        new_m = m.replace(
+            generation=gen,
+            count=int(count),
+            shards=m.shards + tuple(e for e, _r in p.sealed),
+            tail=TailEntry(self.tail_id, names.tail_name(self.tail_id), self.tail_slots),
+            index=IndexFiles(samples_name, records_name, int(records_count), tuple(runs)),
+            fields=self.schema,
+            classes=tuple(self.classes),
+        )
+        atomic_write(self.root / names.MANIFEST, fmt.dump_manifest(new_m))
+        return new_m, stale
+
+    # ------------------------------------------------------------ close
+
+    def close(self, commit: bool) -> None:
+        if self._lock is None:
+            return
+        committed = False
+        try:
+            if commit and not self.failed:
+                self.commit()
+                committed = True
+        finally:
+            self._close_envs(abort=True)
+            never_written = self._created and self.m.generation == 0 and not committed
+            if never_written:
+                shutil.rmtree(self.root, ignore_errors=True)
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

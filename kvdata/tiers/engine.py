@@ -1,0 +1,408 @@
+"""The staging engine: verified copies of sealed shards into RAM/SSD/HDD tiers (kvdata.tiers).
+
+A staged copy is named by its shard's sha256 (content addressing): every job and
+user reading the same shard shares one file, and a dataset rewritten at home can
+never be served a stale copy. Staging fetches (concurrent ranged parts for remote
+homes), decompresses the zstd stream, verifies the checksum, writes a temp name
+in the target tier, fsyncs and renames: a partial or unverified file never has a
+real name. Readers hold a shared flock on the copies they map, so eviction (which
+needs an exclusive one) never takes a shard being read; on Linux an unlinked file
+also stays readable through an existing map, so eviction never fails a read.
+
+Which shards a tier holds is decided by kvdata.policy from the orders readers
+announce: prefetch the next-needed shards that fit, evict the furthest.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .._util.fsutil import fsync_dir, unlink_quiet
+from .._util.sizes import format_size
+from ..config import Config
+from ..errors import ConfigError, KVDataError, NoRoomError, StagingAbortedError, TierFailedError
+from ..format import ShardEntry, names
+from . import policy
+from .fetch import Fetcher
+from .homes import Home
+from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Tier
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    home_reads: int = 0
+    shards_staged: int = 0
+    bytes_staged: int = 0
+    bytes_from_home: int = 0
+    evictions: int = 0
+    stall_seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Known:
+    home: Home
+    entry: ShardEntry
+
+
+class Engine:
+    """Stages shards into tiers on demand and ahead of announced orders."""
+
+    def __init__(self, config: Config, *, workers: int = 3, part_size: int = 8 << 20, parts_in_flight: int = 8,
+                 prefetch: bool = True, lookahead: int = 16) -> None:
+        """lookahead: shards fetched ahead of a reader (two windows of the default sampler);
+        the rest of each budget keeps what is needed soonest, e.g. the next epoch's first shards."""
+        self.config = config
+        self.tiers = [Tier(t) for t in config.tiers]
+        for t in self.tiers:
+            t.ensure()
+            t.clean_partials()
+        self.part_size, self.parts_in_flight, self.prefetch = part_size, parts_in_flight, prefetch
+        self.lookahead = lookahead
+        self._parts = ThreadPoolExecutor(max(4, parts_in_flight * workers), thread_name_prefix="kvdata-part")
+        self._jobs = ThreadPoolExecutor(workers, thread_name_prefix="kvdata-stage")
+        self._workers = workers
+        self._lock = threading.RLock()
+        self._inflight: dict[tuple[str, str], Future[Path]] = {}
+        self._demands: dict[str, policy.Demand] = {}
+        self._known: dict[str, _Known] = {}
+        self.stats = Counters()
+        self._stats_lock = threading.Lock()
+        self._pinned: dict[str, float] = {}  # sha -> until when: just staged for a waiting reader
+        self._own: set[str] = set()  # copies this engine staged: its pins cover them, no grace needed
+        self._closed = False
+        self._abort = threading.Event()
+        self._fetcher = Fetcher(self._parts, part_size, parts_in_flight, self._abort,
+                                lambda n: self._count("bytes_from_home", n))
+        self._plan_event = threading.Event()
+        self._planner: threading.Thread | None = None
+        self._planner_pid = -1
+
+    # ------------------------------------------------------------ budgets and lookup
+
+    def check_budgets(self, entries: list[ShardEntry]) -> None:
+        """Refuse tiers too small for the largest shard (a stager could never fit it)."""
+        if not entries:
+            return
+        largest = max(e.bytes for e in entries)
+        for t in self.tiers:
+            if t.budget < largest:
+                raise ConfigError(f"tier {t.name!r} has a budget of {format_size(t.budget)}, smaller than the largest "
+                                  f"shard ({format_size(largest)}); raise it to at least {largest} bytes")
+
+    def fastest_copy(self, sha: str) -> Path | None:
+        for t in self.tiers:
+            if t.has(sha):
+                return t.path(sha)
+        return None
+
+    def locate(self, home: Home, entry: ShardEntry) -> tuple[Path, bool]:
+        """(path of a complete copy, whether it is a staged copy) -- staging it now if needed."""
+        sha = entry.sha256
+        self._known.setdefault(sha, _Known(home, entry))
+        p = self.fastest_copy(sha)
+        if p is not None:
+            self._count("hits", 1)
+            return p, True
+        local = home.local_path(f"shards/{entry.name}")
+        if local is not None and not self.config.stage_local and local.exists():
+            self._count("home_reads", 1)
+            return local, False
+        self._count("misses", 1)
+        t0 = time.monotonic()
+        with self._lock:  # keep it from eviction until the reader has mapped (and locked) it
+            self._pinned[sha] = time.monotonic() + PIN_SECONDS
+        try:
+            path = self._stage_now(home, entry)
+        finally:
+            self._count("stall_seconds", time.monotonic() - t0)
+        return path, True
+
+    def start_many(self, home: Home, entries: list[ShardEntry]) -> None:
+        """A batch needs these shards now: start staging every one that is not anywhere yet,
+        concurrently, so the reader waits for the slowest instead of the sum."""
+        tier = next((t for t in self.tiers if t.healthy()), None)
+        if tier is None:
+            return
+        for e in entries:
+            if self.fastest_copy(e.sha256) is None and (home.local_path("") is None or self.config.stage_local):
+                with self._lock:
+                    self._pinned[e.sha256] = time.monotonic() + PIN_SECONDS
+                self.stage(home, e, tier.name, need_now=True)
+
+    def _stage_now(self, home: Home, entry: ShardEntry) -> Path:
+        """Stage into the fastest healthy tier; a tier that fails is reported and skipped."""
+        last: BaseException | None = None
+        for tier in self.tiers:
+            if not tier.healthy():
+                continue
+            try:
+                try:
+                    return self.stage(home, entry, tier.name, need_now=True).result()
+                except NoRoomError:  # we waited on a prefetch of this shard that gave up: a reader needs it now
+                    return self._stage_job(home, entry, tier, True)
+            except TierFailedError as e:
+                last = e
+        local = home.local_path(f"shards/{entry.name}")
+        if local is not None and local.exists():  # no tier can hold it: read the home in place
+            self._count("home_reads", 1)
+            return local
+        raise last or KVDataError("no cache tier is usable (see `kvdata status`); fix the tier directories")
+
+    def _grace(self, sha: str) -> float:
+        """Copies another process staged get a short grace (its reader may be about to map them)."""
+        return 0.0 if sha in self._own else EVICT_GRACE
+
+    def _count(self, name: str, amount: float) -> None:
+        """Counters are bumped from several staging threads: `+=` on them is not atomic."""
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + amount)
+
+    def unpin(self, sha: str) -> None:
+        """The reader has mapped (and reader-locked) the copy: the lock protects it now."""
+        with self._lock:
+            self._pinned.pop(sha, None)
+
+    def _pinned_now(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            for sha in [s for s, until in self._pinned.items() if until < now]:
+                del self._pinned[sha]
+            return set(self._pinned)
+
+    # ------------------------------------------------------------ staging
+
+    def stage(self, home: Home, entry: ShardEntry, tier: str | None = None, need_now: bool = False) -> Future[Path]:
+        """Copy one shard into a tier (default: the fastest); the Future gives its path."""
+        target = self.tiers[0] if tier is None else next((t for t in self.tiers if t.name == tier), None)
+        if target is None:
+            raise ConfigError(f"no tier named {tier!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+        sha = entry.sha256
+        self._known.setdefault(sha, _Known(home, entry))
+        key = (target.name, sha)
+        with self._lock:
+            fut = self._inflight.get(key)
+            if fut is None:
+                fut = self._jobs.submit(self._stage_job, home, entry, target, need_now)
+                self._inflight[key] = fut
+                fut.add_done_callback(lambda f, k=key: self._done(k, f))
+        return fut
+
+    def _done(self, key: tuple[str, str], fut: Future[Path]) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None and not isinstance(exc, (NoRoomError, StagingAbortedError, TierFailedError)):
+            self.stats.errors.append(str(exc))
+            del self.stats.errors[:-20]
+        elif exc is None and self.prefetch and not self._closed:
+            self._replan()  # after a failure, wait for the next progress/announce to plan again
+
+    def _stage_job(self, home: Home, entry: ShardEntry, tier: Tier, need_now: bool) -> Path:
+        dest = tier.path(entry.sha256)
+        if dest.exists():
+            return dest
+        if not tier.healthy():
+            raise TierFailedError(f"tier {tier.name!r} is unusable: {tier.problem}")
+        try:
+            return self._stage_locked(home, entry, tier, need_now)
+        except OSError as e:
+            if e.errno in TIER_ERRNOS:
+                tier.fail(e.strerror or str(e))
+                raise TierFailedError(f"tier {tier.name!r} failed: {e.strerror or e}") from None
+            raise
+
+    def _stage_locked(self, home: Home, entry: ShardEntry, tier: Tier, need_now: bool) -> Path:
+        sha, size = entry.sha256, entry.bytes
+        dest = tier.path(sha)
+        with tier.staging_lock(sha):
+            if dest.exists():
+                return dest
+            if not self._make_room(tier, size, need_now):
+                raise NoRoomError(tier.name)
+            tmp = tier.dir / names.temp_name(sha, f"{os.getpid()}.{secrets.token_hex(4)}")
+            try:
+                with open(tmp, "wb") as f:
+                    self._copy_verified(home, entry, tier, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, dest)
+                fsync_dir(tier.dir)
+            except BaseException:
+                unlink_quiet(tmp)
+                raise
+        self._count("shards_staged", 1)
+        self._count("bytes_staged", size)
+        with self._lock:
+            self._own.add(sha)
+        return dest
+
+    def _copy_verified(self, home: Home, entry: ShardEntry, target: Tier, out: BinaryIO) -> None:
+        self._fetcher.copy_verified(self.tiers, home, entry, target, out)
+
+    def _make_room(self, tier: Tier, size: int, need_now: bool) -> bool:
+        """Evict per policy until `size` fits; a need-now shard goes in even if nothing can go."""
+        with self._lock:
+            demands = list(self._demands.values())
+        resident = tier.resident()
+        used = sum(resident.values())
+        # walk the whole candidate list: a victim a reader holds is skipped, the next one tried
+        for victim in policy.eviction_order(resident, demands, in_use=self._pinned_now()):
+            if used + size <= tier.budget:
+                break
+            if tier.try_evict(victim, grace=self._grace(victim)):
+                self._count("evictions", 1)
+                used -= resident[victim]
+        return need_now or used + size <= tier.budget
+
+    # ------------------------------------------------------------ order-aware prefetch
+
+    def announce(self, reader: str, home: Home, entries: list[ShardEntry], position: int = 0) -> None:
+        """A reader's shard sequence for its epoch (e.g. from ShardShuffleSampler.shard_order)."""
+        for e in entries:
+            self._known.setdefault(e.sha256, _Known(home, e))
+        with self._lock:
+            self._demands[reader] = policy.Demand(tuple(e.sha256 for e in entries), position)
+        if self.prefetch:
+            self._replan()
+
+    def progress(self, reader: str, position: int) -> None:
+        with self._lock:
+            d = self._demands.get(reader)
+            if d is None or d.position == position:
+                return
+            self._demands[reader] = policy.Demand(d.sequence, position)
+        if self.prefetch:
+            self._replan()
+
+    def release(self, reader: str) -> None:
+        with self._lock:
+            self._demands.pop(reader, None)
+
+    def _replan(self) -> None:
+        """Ask the planner thread to plan (coalesced): readers' threads never plan or scan."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._planner is None or self._planner_pid != os.getpid():
+                self._planner = threading.Thread(target=self._plan_loop, name="kvdata-planner", daemon=True)
+                self._planner_pid = os.getpid()
+                self._planner.start()
+        self._plan_event.set()
+
+    def _plan_loop(self) -> None:
+        while not self._closed:
+            self._plan_event.wait()
+            self._plan_event.clear()
+            if self._closed:
+                return
+            try:
+                self._replan_once()
+            except RuntimeError:  # the pools shut down meanwhile (engine or interpreter closing)
+                return
+            except Exception as e:  # keep planning; the reader path stages on demand anyway
+                self.stats.errors.append(f"planner: {e}")
+                del self.stats.errors[:-20]
+
+    def _replan_once(self) -> None:
+        with self._lock:
+            if self._closed or not self._demands:
+                return
+            demands = list(self._demands.values())
+            sizes = {sha: k.entry.bytes for sha, k in self._known.items()}
+            busy = len(self._inflight)
+        pinned = self._pinned_now()
+        self.trim(demands, pinned)
+        for tier in reversed(self.tiers):  # fill slow tiers from home first, then promote
+            if not tier.healthy():
+                continue
+            resident = tier.resident()
+            in_use = pinned | tier.held(list(resident))
+            plan = policy.plan_tier(tier.budget, sizes, resident, demands, in_use=in_use, lookahead=self.lookahead)
+            for sha in plan.stage:
+                if busy >= 2 * self._workers:
+                    return
+                k = self._known.get(sha)
+                if k is None or (tier.name, sha) in self._inflight:
+                    continue
+                self.stage(k.home, k.entry, tier.name)
+                busy += 1
+
+    # ------------------------------------------------------------ maintenance
+
+    def reconfigure(self, config: Config) -> None:
+        """Swap tiers/budgets (a daemon reload); in-flight jobs finish against the old ones."""
+        tiers = [Tier(t) for t in config.tiers]
+        for t in tiers:
+            t.ensure()
+        with self._lock:
+            self.config = config
+            self.tiers = tiers
+        if self.prefetch:
+            self._replan()
+
+    def trim(self, demands: list[policy.Demand] | None = None, pinned: set[str] | None = None) -> None:
+        """Bring tiers that a burst of need-now reads pushed over budget back under it."""
+        if demands is None:
+            with self._lock:
+                demands = list(self._demands.values())
+        pinned = self._pinned_now() if pinned is None else pinned
+        for tier in self.tiers:
+            resident = tier.resident()
+            used = sum(resident.values())
+            for victim in policy.eviction_order(resident, demands, in_use=pinned):
+                if used <= tier.budget:
+                    break
+                if tier.try_evict(victim, grace=self._grace(victim)):
+                    self._count("evictions", 1)
+                    used -= resident[victim]
+
+    def evict(self, entries: list[ShardEntry], tier: str | None = None) -> int:
+        """Drop staged copies of these shards (not ones being read); returns how many."""
+        n = 0
+        for t in self.tiers:
+            if tier is not None and t.name != tier:
+                continue
+            for e in entries:
+                if t.has(e.sha256) and t.try_evict(e.sha256, grace=0):
+                    n += 1
+                    self._count("evictions", 1)
+        return n
+
+    def status(self) -> ShardEntry:
+        tiers = []
+        for t in self.tiers:
+            ok = t.healthy()
+            res = t.resident()
+            tiers.append({"name": t.name, "path": str(t.root), "budget": t.budget, "used": sum(res.values()),
+                          "shards": len(res), "ok": ok, "problem": t.problem})
+        s = self.stats
+        lookups = s.hits + s.misses
+        with self._lock:
+            inflight = len(self._inflight)
+        return {"tiers": tiers, "hits": s.hits, "misses": s.misses, "hit_rate": s.hits / lookups if lookups else None,
+                "shards_staged": s.shards_staged, "bytes_staged": s.bytes_staged, "bytes_from_home": s.bytes_from_home,
+                "evictions": s.evictions, "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight,
+                "readers": len(self._demands), "errors": list(s.errors)}
+
+    def close(self, abort: bool = False) -> None:
+        """Stop: queued jobs are dropped; running copies finish, or with abort=True stop at
+        their next chunk (their temp files are removed; nothing partial gets a real name)."""
+        self._closed = True
+        if abort:
+            self._abort.set()
+        self._plan_event.set()
+        if self._planner is not None and self._planner_pid == os.getpid():
+            self._planner.join(timeout=10)
+        self._jobs.shutdown(wait=True, cancel_futures=True)
+        self._parts.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,89 @@
+"""`kvdata push`: upload a local, sealed dataset to a home, manifest last.
+
+A half-pushed dataset is never visible: shards (.zst) and the trimmed index files
+go first, the manifest (with the index checksums) last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .._util.progress import progress as make_progress
+from ..errors import KVDataError, ReadOnlyError, RemoteError
+from ..format import ZstCopy, dump_manifest, names
+from ..format.codec import compress_file
+from ..store import Store
+from .homes import Home, open_home
+
+
+def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None) -> dict[str, Any]:
+    """Upload a local, fully sealed dataset: shards (.zst), index, then the manifest last,
+    so a half-pushed dataset is never visible. Objects already there with the right size
+    are skipped, so an interrupted push resumes."""
+    src = Path(dataset)
+    store = Store(src, "r")
+    try:
+        m = store.manifest
+    finally:
+        store.close()
+    if m.tail.records:
+        raise KVDataError(f"{src} has {m.tail.records} unsealed records; run `kvdata seal {src}` before pushing")
+    home = open_home(url)
+    if not home.writable:
+        raise ReadOnlyError(f"{url} is read-only; push to a local path or s3://")
+    uploaded = skipped = 0
+    bar = make_progress(len(m.shards) + 3, "push", show)
+    shards_dir = src / names.SHARDS_DIR
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvdata-push-") as tmpd:
+            entries = []
+            for e in m.shards:
+                zst = e.zst
+                if zst is None:
+                    zst = _compress(shards_dir / e.name, Path(tmpd) / names.zst_name(e.name))
+                    e = e.__class__(e.id, e.name, e.records, e.bytes, e.sha256, zst)
+                entries.append(e)
+                name = f"{names.SHARDS_DIR}/{zst.name}"
+                path = src / name if (src / name).exists() else Path(tmpd) / zst.name
+                if _remote_size(home, name) == zst.bytes:
+                    skipped += 1
+                else:
+                    home.put_file(name, path)
+                    uploaded += 1
+                bar.update(1)
+            sums = {}
+            for _kind, name, count in m.index_files():
+                trimmed = Path(tmpd) / name
+                with open(src / names.INDEX_DIR / name, "rb") as f:
+                    blob = f.read(count)
+                trimmed.write_bytes(blob)
+                sums[name] = hashlib.sha256(blob).hexdigest()
+                home.put_file(f"{names.INDEX_DIR}/{name}", trimmed)
+            bar.update(2)
+            pushed = m.replace(shards=tuple(entries), index_sha256=sums)
+            mpath = Path(tmpd) / names.MANIFEST
+            mpath.write_bytes(dump_manifest(pushed))
+            home.put_file(names.MANIFEST, mpath)
+            bar.update(1)
+    finally:
+        bar.close()
+        home.close()
+    return {"dataset": str(src), "url": url, "generation": m.generation, "shards_uploaded": uploaded,
+            "shards_skipped": skipped}
+
+
+def _compress(path: Path, dest: Path) -> ZstCopy:
+    with open(dest, "wb") as f:
+        size, sha = compress_file(path, f)
+    return ZstCopy(dest.name, size, sha)
+
+
+def _remote_size(home: Home, name: str) -> int | None:
+    try:
+        return home.size(name)
+    except RemoteError:
+        return None

@@ -1,0 +1,58 @@
+"""EngineSource: the in-process ShardSource, an Engine staging one dataset's shards from its home."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from ..format import ShardEntry
+from .engine import Engine
+from .homes import Home
+
+MAX_OPEN = 16          # staged shards a reader keeps mapped, at most
+TIER_SHARE = 3         # ... and at most 1/TIER_SHARE of the fastest tier, so prefetching has room
+
+
+def max_open_for(engine: Engine, shards: Sequence[ShardEntry]) -> int:
+    """Shards a reader keeps mapped (and so un-evictable): at most a third of the fastest
+    tier, so prefetching always has room."""
+    largest = max((e.bytes for e in shards), default=1)
+    return max(1, min(MAX_OPEN, engine.tiers[0].budget // max(largest, 1) // TIER_SHARE))
+
+
+class EngineSource:
+    """Shards of one dataset through an in-process Engine (owned, or shared by the caller)."""
+
+    def __init__(self, engine: Engine, home: Home, shards: Sequence[ShardEntry], *, own_engine: bool) -> None:
+        self.engine = engine
+        self._home = home
+        self._own = own_engine
+        self.max_open = max_open_for(engine, shards)
+
+    @property
+    def home(self) -> Home:
+        return self._home
+
+    @property
+    def stager(self) -> Engine:
+        return self.engine
+
+    def locate(self, entry: ShardEntry) -> tuple[Path, bool]:
+        return self.engine.locate(self._home, entry)
+
+    def mapped(self, entry: ShardEntry) -> None:
+        self.engine.unpin(entry.sha256)
+
+    def need(self, entries: Sequence[ShardEntry]) -> None:
+        self.engine.start_many(self._home, list(entries))
+
+    def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0) -> None:
+        self.engine.announce(reader, self._home, list(entries), position)
+
+    def progress(self, reader: str, position: int) -> None:
+        self.engine.progress(reader, position)
+
+    def close(self) -> None:
+        if self._own:
+            self.engine.close()
+        self._home.close()

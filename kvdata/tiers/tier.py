@@ -1,0 +1,164 @@
+"""Tiers: cache directories with a byte budget, holding verified copies of sealed shards.
+
+A copy is named by its shard's sha256 (content addressing): every job and user reading
+the same shard shares one file, and a dataset rewritten at home can never be served a
+stale copy. Readers hold a shared flock on the copies they map, so eviction (which needs
+an exclusive one) never takes a shard being read; on Linux an unlinked file also stays
+readable through an existing map, so eviction never fails a read. A tier whose directory
+vanishes or whose writes fail reports why (`problem`) and is skipped for a while.
+The staging engine that fills tiers is kvdata.engine.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .._util.fsutil import unlink_quiet
+from ..config import TierConfig
+from ..errors import ChecksumMismatchError, KVDataError
+from ..format import names
+
+PIN_SECONDS = 5.0
+EVICT_GRACE = 2.0
+
+
+class Tier:
+    """One cache directory with a byte budget: <root>/shards/<sha256>.mdb."""
+
+    def __init__(self, cfg: TierConfig) -> None:
+        self.name, self.root, self.budget = cfg.name, Path(cfg.path), int(cfg.budget)
+        self.dir = self.root / "shards"
+        self.locks = self.root / "locks"
+        self.problem: str | None = None   # why the tier is unusable, for status; None when healthy
+        self._problem_until = 0.0
+
+    def ensure(self) -> None:
+        """Create the tier's directories (at start only: a directory that vanishes later is
+        reported, not silently recreated on whatever filesystem lies underneath)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.locks.mkdir(parents=True, exist_ok=True)
+
+    def healthy(self) -> bool:
+        if not self.dir.is_dir():
+            self.problem = "directory missing"
+            return False
+        if self.problem and time.monotonic() < self._problem_until:
+            return False
+        self.problem = None
+        return True
+
+    def fail(self, why: str, seconds: float = 30.0) -> None:
+        self.problem = why
+        self._problem_until = time.monotonic() + seconds
+
+    def path(self, sha: str) -> Path:
+        return self.dir / names.staged_name(sha)
+
+    def has(self, sha: str) -> bool:
+        return os.path.exists(self.dir / names.staged_name(sha))
+
+    def resident(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        try:
+            with os.scandir(self.dir) as it:
+                for e in it:
+                    sha = names.parse_staged_name(e.name)
+                    if sha is not None:
+                        try:
+                            out[sha] = e.stat(follow_symlinks=False).st_size
+                        except FileNotFoundError:
+                            pass
+        except FileNotFoundError:
+            pass
+        return out
+
+    def used(self) -> int:
+        return sum(self.resident().values())
+
+    def clean_partials(self) -> int:
+        """Remove temp files of stagers that died (their pid no longer runs)."""
+        removed = 0
+        try:
+            listing = os.listdir(self.dir)
+        except FileNotFoundError:
+            return 0
+        for name in listing:
+            if name.startswith(".") and name.endswith(".tmp"):
+                try:
+                    pid = int(name.split(".")[2])
+                except (IndexError, ValueError):
+                    pid = -1
+                if pid == os.getpid() or not _pid_alive(pid):
+                    unlink_quiet(self.dir / name)
+                    removed += 1
+        return removed
+
+    def held(self, shas: Iterator[str] | list[str]) -> set[str]:
+        """Which of these copies a reader holds (probing with a non-blocking exclusive flock)."""
+        out = set()
+        for sha in shas:
+            try:
+                fd = os.open(self.path(sha), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                out.add(sha)
+            finally:
+                os.close(fd)
+        return out
+
+    def try_evict(self, sha: str, grace: float = 0.0) -> bool:
+        """Delete a copy unless a reader holds it (shared flock) or it was staged less than
+        `grace` seconds ago (a reader in another process may be about to map it); True if gone."""
+        p = self.path(sha)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        if grace and time.time() - os.fstat(fd).st_mtime < grace:
+            os.close(fd)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:
+            unlink_quiet(p)
+        finally:
+            os.close(fd)
+        return True
+
+    @contextmanager
+    def staging_lock(self, sha: str) -> Iterator[None]:
+        """Cross-process: one stager per shard per tier; others wait and then find it staged."""
+        self.locks.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.locks / f"{sha}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+TIER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO, errno.EPERM}
