@@ -49,7 +49,8 @@ import kvdata  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (BATCH, IMG, SHAPE, built, dir_bytes, image_chunks, machine_info,  # noqa: E402
-                     machine_line, mark_built, md_table, median as med, rotated, work_dir, write_json)
+                     machine_line, mark_built, md_table, median as med, rotated, timed, work_dir,
+                     write_json)
 
 try:
     from PIL import Image
@@ -384,11 +385,7 @@ def measure_memcpy(times: int = 5) -> float:
     src = np.full(MEMCPY_BYTES, 7, np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault in dst
-    ts = []
-    for _ in range(times):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        ts.append(time.perf_counter() - t0)
+    ts = [timed(np.copyto, dst, src)[0] for _ in range(times)]
     del src, dst
     return MEMCPY_BYTES / med(ts)
 

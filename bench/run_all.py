@@ -90,7 +90,7 @@ def netlab_missing() -> str | None:
         return "boto3 not installed (pip install -e '.[s3]')"
     py = os.environ.get("NETLAB_PY") or sys.executable
     try:
-        r = subprocess.run([py, "-c", "import moto.server, uvloop"], capture_output=True, timeout=60)
+        r = subprocess.run([py, "-c", "import moto.server, uvloop"], capture_output=True, timeout=60, check=False)
         if r.returncode != 0:
             return f"NETLAB_PY={py} cannot import moto.server and uvloop (pip install 'moto[server]' uvloop)"
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -120,11 +120,13 @@ class Bench:
     quick: list[str]
     full: list[str]
     requires: Callable[[], str | None] = lambda: None
-    notes: Callable[[], list[str]] = lambda: []
+    notes: Callable[[], list[str]] = list
     plot: str | None = None            # plotter name (PLOTTERS), None: no plot
 
     def argv(self, quick: bool, json_path: Path) -> list[str]:
-        return [sys.executable, str(HERE / self.script), *(self.quick if quick else self.full), "--json", str(json_path)]
+        """The subprocess's argv (run from the repo root, so paths inside it are repo-relative)."""
+        rel = lambda p: str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)  # noqa: E731
+        return [sys.executable, rel(HERE / self.script), *(self.quick if quick else self.full), "--json", rel(json_path)]
 
     def command(self, quick: bool) -> str:
         """The command as a user would type it (from the repo root)."""
@@ -534,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", type=Path, default=README, help=argparse.SUPPRESS)
     p.add_argument("--plots", type=Path, default=PLOTS, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.out, a.readme, a.plots = a.out.resolve(), a.readme.resolve(), a.plots.resolve()
     benches = select(a)
     date = _dt.date.today().isoformat()
 

@@ -35,7 +35,6 @@ import collections
 import hashlib
 import heapq
 import itertools
-import json
 import os
 import shutil
 import statistics
@@ -47,7 +46,7 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -56,8 +55,8 @@ from kvdata import order as order_mod
 from kvdata.tiers import policy
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (IMG, MB, built, drop_caches, image_chunks, machine_info, machine_line,  # noqa: E402
-                     mark_built, md_table, median as med, quantile_sorted, repeat_rotated, work_dir,
-                     write_image_dataset, write_json)
+                     mark_built, md_table, median as med, quantile_sorted, repeat_rotated, timed,
+                     work_dir, write_image_dataset, write_json)
 
 HERE = Path(__file__).resolve().parent
 NETLAB_SH = HERE.parent.parent / "shared" / "netlab" / "netlab.sh"
@@ -183,9 +182,7 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
             blobs.extend((home / "shards" / e["zst"]["name"]).read_bytes() for e in entries)
         if cold and cache:
             drop_caches()
-        t = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t
+        dt, _ = timed(fn)
         getattr(fn, "cleanup", lambda: None)()
         return dt
 
