@@ -15,9 +15,10 @@ import logging
 import os
 import socket
 import stat
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvdata.errors import BadRequest, KVDataError, ProtocolError
 from kvdata.protocol import HEADER, MAX_FRAME, TYPES, decode_body, encode
@@ -136,7 +137,7 @@ class Server:
             return False
         try:
             await asyncio.wait_for(writer.drain(), DRAIN_TIMEOUT)
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             return False
         return True
 
@@ -156,7 +157,8 @@ class Server:
             return {"id": rid, "ok": True, **result}
         except (BadRequest, ProtocolError, KVDataError) as e:
             self.service.bad_requests += 1
-            return {"id": rid, "ok": False, "code": type(e).__name__, "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return {"id": rid, "ok": False, "code": type(e).__name__, "error": first_line}
         except Exception as e:  # never let one request take the daemon down
             log.exception("request failed")
             self.service.bad_requests += 1

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvdata._util.digest import is_sha256
 from kvdata.config import Config
 from kvdata.errors import BadRequest
-from kvdata.protocol import PROTOCOL_VERSION, is_sha256
+from kvdata.protocol import PROTOCOL_VERSION
 from kvdata.tiers import Manifest, ShardEntry
 from kvdata.tiers.engine import Engine
 from kvdata.tiers.homes import Home, open_home
@@ -184,7 +185,7 @@ class Service:
             raise BadRequest("sha256 must be 64 lowercase hex digits")
         shard = msg.get("shard")
         known = isinstance(shard, int) and not isinstance(shard, bool) and 0 <= shard < len(ds.manifest.shards)
-        if want is not None and (not known or ds.manifest.shards[shard].sha256 != want):
+        if want is not None and (not known or ds.manifest.shards[shard].sha256 != want):  # type: ignore[index]
             ds = self.open_dataset(ds.location, refresh=True)
             match = [e for e in ds.manifest.shards if e.sha256 == want]
             if not match:
@@ -237,8 +238,9 @@ class Service:
     def status(self, cid: int | None = None, msg: dict[str, Any] | None = None) -> dict[str, Any]:
         st = self.engine.status()
         with self._lock:
-            clients = [{"id": c.id, "pid": c.pid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
-                       for c in self.clients.values()]
+            clients: list[dict[str, Any]] = [
+                {"id": c.id, "pid": c.pid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
+                for c in self.clients.values()]
             datasets = [{"dataset": d.location, "generation": d.manifest.generation,
                          "shards": len(d.manifest.shards)} for d in self.datasets.values()]
         st.update({"pid": os.getpid(), "uptime_seconds": round(time.time() - self.started, 1),

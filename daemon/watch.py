@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
@@ -67,7 +69,7 @@ class Watcher:
         if self.config_path is not None and p == self.config_path:
             key, fn = "config", self.on_config
         elif p.name == "manifest.json" and str(p.parent) in self._watched:
-            key, fn = str(p.parent), (lambda loc=str(p.parent): self.on_dataset(loc))
+            key, fn = str(p.parent), functools.partial(self.on_dataset, str(p.parent))
         else:
             return
         old = self._pending.pop(key, None)

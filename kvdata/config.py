@@ -25,12 +25,13 @@ from __future__ import annotations
 import os
 import shutil
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from .errors import ConfigError
 from ._util.sizes import parse_size
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)

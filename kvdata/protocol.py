@@ -30,13 +30,13 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import msgpack
 
-from ._util.digest import is_sha256
-from .errors import DaemonError, DaemonUnavailable, KVDataError, ProtocolError
+from .errors import DaemonError, DaemonUnavailable, ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 << 20
@@ -135,7 +135,7 @@ class Client:
         except OSError:
             pass
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -20,7 +20,7 @@ class NullProgress:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "NullProgress":
+    def __enter__(self) -> NullProgress:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -33,7 +33,7 @@ class BarProgress:
     def __init__(self, total: int | None, label: str) -> None:
         import click
 
-        self._bar = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True)
+        self._bar: Any = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True)
         self._bar.__enter__()
 
     def update(self, n: int = 1) -> None:
@@ -42,7 +42,7 @@ class BarProgress:
     def close(self) -> None:
         self._bar.__exit__(None, None, None)
 
-    def __enter__(self) -> "BarProgress":
+    def __enter__(self) -> BarProgress:
         return self
 
     def __exit__(self, *exc: Any) -> None:

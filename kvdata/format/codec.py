@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import BinaryIO, Callable
+from collections.abc import Callable
+from typing import BinaryIO
 
 import zstandard
 
@@ -43,7 +44,8 @@ def compress_file(src: str | os.PathLike[str], dst: BinaryIO, level: int = 3) ->
     sink = _HashingWriter(dst)
     cctx = zstandard.ZstdCompressor(level=level, threads=-1, write_content_size=True, write_checksum=True)
     with open(src, "rb") as f:
-        cctx.copy_stream(f, sink, size=os.fstat(f.fileno()).st_size, read_size=CHUNK, write_size=CHUNK)
+        cctx.copy_stream(f, sink, size=  # type: ignore[arg-type]  # any object with write() will do
+                         os.fstat(f.fileno()).st_size, read_size=CHUNK, write_size=CHUNK)
     return sink.size, sink.sha.hexdigest()
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import CorruptDatasetError, FormatVersionError
 from . import names
@@ -108,7 +109,7 @@ class Manifest(_ItemAccess):
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys of a newer minor writer, kept as is
 
-    def replace(self, **changes: Any) -> "Manifest":
+    def replace(self, **changes: Any) -> Manifest:
         return dataclasses.replace(self, **changes)
 
     def index_files(self) -> list[tuple[str, str, int]]:
@@ -270,6 +271,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         m = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CorruptDatasetError(
-            f"{where}: manifest is truncated or corrupt ({e.__class__.__name__}); run `kvdata reindex` to rebuild it from the shards"
+            f"{where}: manifest is truncated or corrupt ({e.__class__.__name__}); "
+            "run `kvdata reindex` to rebuild it from the shards"
         ) from None
     return manifest_from_json(m, where)

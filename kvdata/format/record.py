@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -200,7 +201,7 @@ def _layout_of(key: str, fields: Mapping[Any, Any]) -> tuple[list, list[memoryvi
                 )
             if not v.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
                 v = v.copy(order="C")
-            mv = memoryview(v.reshape(-1).view(np.uint8)) if v.size else memoryview(b"")
+            mv = v.reshape(-1).view(np.uint8).data if v.size else memoryview(b"")
             entry = [name, v.dtype.str, list(v.shape), total, mv.nbytes]
         elif isinstance(v, (bytes, bytearray, memoryview)):
             mv = memoryview(v).cast("B")
@@ -261,7 +262,7 @@ Plan = tuple  # tuple of (name, kind, dtype | None, shape, offset, nbytes) per f
 
 def make_plan(layout: list) -> Plan:
     """Precompiled decoding steps for one layout (dtypes built once, not per record)."""
-    steps = []
+    steps: list[tuple[Any, ...]] = []
     for name, code, shape, off, nbytes in layout:
         if code == "bytes":
             steps.append((name, F_BYTES, None, None, off, nbytes))
@@ -302,7 +303,7 @@ def decode_plan(plan: Plan, u8: np.ndarray, mv: Any, base: int, copy: bool) -> d
 
 def decode_fields(u8: np.ndarray, start: int, head: int, layout: list, copy: bool) -> dict[str, Any]:
     """Fields of a record whose value starts at u8[start] (uncached path)."""
-    return decode_plan(make_plan(layout), u8, memoryview(u8), start + head, copy)
+    return decode_plan(make_plan(layout), u8, u8.data, start + head, copy)
 
 
 def field_schema(layout: list) -> dict[str, dict[str, Any]]:

@@ -164,7 +164,7 @@ def _key(path: Path, raw: bytes) -> str:
     return key
 
 
-def _parse(path: Path, key: str, value: bytes, datum_type: type) -> Any:
+def _parse(path: Path, key: str, value: bytes, datum_type: Any) -> Any:
     from google.protobuf.message import DecodeError
 
     try:
@@ -210,8 +210,9 @@ def _decode_image(data: bytes, at: str) -> np.ndarray:
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
+        with Image.open(io.BytesIO(data)) as opened:
+            opened.load()
+            im: Any = opened
             mode = im.mode
             if mode in _MODES_CONVERTED:
                 im = im.convert(_MODES_CONVERTED[mode])
@@ -237,8 +238,8 @@ def _decode_image(data: bytes, at: str) -> np.ndarray:
 
 # ---------------------------------------------------------------- writing
 
-def _write(path: Path, txn: Any, datum_type: type, total: int, dataset: str | os.PathLike[str], *,
-           keep_encoded: bool, shard_size: int | str, compress: bool, progress: bool | None) -> list[int]:
+def _write(path: Path, txn: Any, datum_type: Any, total: int, dataset: str | os.PathLike[str], *,
+           keep_encoded: bool, shard_size: int | str | None, compress: bool, progress: bool | None) -> list[int]:
     """Put every record in LMDB key order and commit once; on any error nothing is committed."""
     labels: list[int] = []
     where = str(path)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -168,8 +169,8 @@ def load_value(path: str, opts: Options) -> dict[str, Any]:
     from PIL import Image
 
     try:
-        with Image.open(path) as im:
-            im = im.convert("RGB" if opts.decode == "rgb" else "L")
+        with Image.open(path) as opened:
+            im = opened.convert("RGB" if opts.decode == "rgb" else "L")
             if opts.resize is not None:
                 im = im.resize(opts.resize, Image.Resampling.BILINEAR)
             pixels = np.asarray(im, dtype=np.uint8)
@@ -189,7 +190,7 @@ def _load_task(task: tuple[str, Options]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- writing
 
-def _check_options(decode: str, resize: Any, workers: Any, shard_size: int | str) -> Options:
+def _check_options(decode: str, resize: Any, workers: Any, shard_size: int | str | None) -> Options:
     """Reject bad settings before any file is touched."""
     if decode not in DECODE_MODES:
         raise ConfigError(f"decode: must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
@@ -239,7 +240,7 @@ def _make_pool(workers: int) -> Any:
 
 
 def _write(items: list[Item], dataset: str | os.PathLike[str], opts: Options, *, classes: list[str] | None,
-           shuffle: bool, seed: int, workers: int, shard_size: int | str, compress: bool,
+           shuffle: bool, seed: int, workers: int, shard_size: int | str | None, compress: bool,
            progress: bool | None) -> int:
     """Put every item and commit once; on any error nothing of this import is committed."""
     items = _ordered(items, shuffle, seed)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -185,7 +186,7 @@ class BatchReader:
 
     # ------------------------------------------------------------ consumer
 
-    def __iter__(self) -> "BatchReader":
+    def __iter__(self) -> BatchReader:
         return self
 
     def __next__(self) -> Any:
@@ -213,7 +214,7 @@ class BatchReader:
         self._copier.close()
         self._store.close()
 
-    def __enter__(self) -> "BatchReader":
+    def __enter__(self) -> BatchReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..config import Config
 from ..errors import DaemonError, DaemonUnavailable, KVDataError
@@ -39,7 +40,7 @@ class DaemonStager:
         return self._home
 
     @property
-    def stager(self) -> "DaemonStager":
+    def stager(self) -> DaemonStager:
         return self
 
     def _live(self) -> Client | None:
@@ -106,7 +107,7 @@ class DaemonStager:
 
     def status(self) -> dict[str, Any]:
         reply = self._call("status") if self.client is not None else None
-        return reply if reply is not None else self._engine().status()
+        return dict(reply) if reply is not None else self._engine().status()
 
     def close(self) -> None:
         if self.client is not None and os.getpid() == self._pid:

@@ -10,7 +10,8 @@ so the batch crosses to the main process without another copy -- and
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -20,7 +21,6 @@ from .._util.libc import MADV_POPULATE_WRITE, madvise
 from ..store import Store
 from ..tiers.homes import is_url
 from .open import open_dataset
-
 
 POPULATE_MIN = 1 << 20  # shared-memory batches at least this large are faulted in with one madvise
 
@@ -48,7 +48,7 @@ def _shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
     tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
-    out = torch.empty(0, dtype=tdtype).set_(storage, 0, shape)
+    out = torch.empty(0, dtype=tdtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # (stubs lack it)
     if nbytes >= POPULATE_MIN:
         madvise(out.data_ptr(), nbytes, MADV_POPULATE_WRITE)
     return out
@@ -186,7 +186,7 @@ def collate(samples: Sequence[Any]) -> Any:
             else:
                 out[name] = torch.tensor(col)
         return out
-    return torch.utils.data.default_collate(samples)
+    return torch.utils.data.default_collate(cast(list, samples))
 
 
 def _to_torch(v: Any) -> Any:

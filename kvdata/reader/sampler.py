@@ -7,7 +7,8 @@ the sequence this sampler yields.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist

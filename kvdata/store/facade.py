@@ -9,8 +9,9 @@ given a ShardSource.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +85,7 @@ class Store:
             for fn in closers:
                 fn()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CorruptDatasetError, NotADatasetError
-from ..format import Manifest, ShardEntry, parse_manifest
-from ..format import names
 from .._util.fsutil import read_regular
+from ..errors import CorruptDatasetError, NotADatasetError
+from ..format import Manifest, ShardEntry, names, parse_manifest
 from .index import Index
 
 MAX_MANIFEST = 1 << 30

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 import numpy as np
 
 from .. import format as fmt
@@ -130,7 +129,7 @@ class Index:
 def append_rows(path: Path, start_row: int, rows: np.ndarray) -> None:
     """Write rows at `start_row` (past what any reader was told exists) and fsync."""
     if len(rows):
-        write_at(path, start_row * rows.dtype.itemsize, memoryview(np.ascontiguousarray(rows)).cast("B"))
+        write_at(path, start_row * rows.dtype.itemsize, np.ascontiguousarray(rows).data.cast("B"))
     elif not path.exists():
         write_at(path, 0, b"")
 
@@ -138,7 +137,7 @@ def append_rows(path: Path, start_row: int, rows: np.ndarray) -> None:
 def write_new(path: Path, rows: np.ndarray) -> None:
     """A whole new index file (not yet referenced by any manifest), fsync'ed."""
     with open(path, "wb") as f:
-        f.write(memoryview(np.ascontiguousarray(rows)).cast("B"))
+        f.write(np.ascontiguousarray(rows).data.cast("B"))
         f.flush()
         os.fsync(f.fileno())
 

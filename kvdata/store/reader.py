@@ -11,7 +11,8 @@ from __future__ import annotations
 import mmap
 import os
 from collections import OrderedDict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import numpy as np

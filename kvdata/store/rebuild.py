@@ -100,7 +100,8 @@ def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
         entries = [_entry_from_disk(shards_dir, i) for i in ids]
         tail_id = len(ids)
         if found_tail is not None and found_tail != tail_id:
-            raise CorruptDatasetError(f"{shards_dir}: tail-{found_tail:06d}.mdb does not follow the sealed shards; restore the shards")
+            raise CorruptDatasetError(f"{shards_dir}: {names.tail_name(found_tail)} does not follow the sealed shards; "
+                                      "restore the shards")
         tail_records = -1  # unknown: keep every record in the tail
         shard_size = DEFAULT_SHARD_SIZE
         compress = any(e.zst for e in entries) or not entries
@@ -186,7 +187,8 @@ def _max_generation(root: Path) -> int:
     return max(gens, default=0)
 
 
-def _resolve(c: _Collector, entries: list[ShardEntry], shards_dir: Path, tail_id: int, tail_path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _resolve(c: _Collector, entries: list[ShardEntry], shards_dir: Path, tail_id: int,
+             tail_path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Replay records in order into (sample rows, key hashes) in sample order."""
     h = np.array(c.hash, dtype=np.uint64)
     n = len(h)

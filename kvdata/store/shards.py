@@ -14,9 +14,10 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -111,7 +112,7 @@ class EnvRegistry:
         """A read transaction that the fork logic above knows about."""
         self.mark_busy(env, 1)
         try:
-            with env.begin(buffers=buffers) as txn:
+            with env.begin(buffers=buffers) as txn:  # type: ignore[call-overload]
                 yield txn
         finally:
             self.mark_busy(env, -1)

@@ -8,8 +8,9 @@ implement it; a Store opened without one reads the shards where they lie.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from ..format import ShardEntry
 

@@ -7,8 +7,9 @@ zero-copy view; scalars become a 1-D array; ragged fields, bytes and str stay li
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -8,7 +8,6 @@ against the records it points to (key hashes, kinds, labels).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -136,7 +135,8 @@ def _check_index(store: Store) -> list[str]:
     except IndexError:
         return ["key index holds positions past the sample count; run `kvdata reindex`"]
     if sum(len(r.hashes) for r in idx.runs) != idx.count:
-        problems.append(f"key index has {sum(len(r.hashes) for r in idx.runs)} entries for {idx.count} samples; run `kvdata reindex`")
+        entries = sum(len(r.hashes) for r in idx.runs)
+        problems.append(f"key index has {entries} entries for {idx.count} samples; run `kvdata reindex`")
     for r in idx.runs:
         if len(r.hashes) > 1 and not bool(np.all(r.hashes[1:] >= r.hashes[:-1])):
             problems.append("a key run is not sorted; run `kvdata reindex`")

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -26,8 +27,14 @@ import numpy as np
 from .. import format as fmt
 from .._util.fsutil import atomic_write, fsync_dir, unlink_quiet
 from .._util.sizes import parse_size
-from ..errors import (ClosedError, CommitError, CorruptDatasetError, MissingShardError, NotADatasetError,
-                      RecordTooLargeError)
+from ..errors import (
+    ClosedError,
+    CommitError,
+    CorruptDatasetError,
+    MissingShardError,
+    NotADatasetError,
+    RecordTooLargeError,
+)
 from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, names
 from . import index as ix
 from .generation import Generation, load_generation, read_manifest
@@ -60,6 +67,15 @@ class Pending:
 
 class Writer:
     """The pending writes of one dataset opened with mode a/w, and its Reader."""
+
+    m: Manifest           # the last committed generation's manifest
+    shard_size: int
+    compress: bool
+    pending: Pending
+    tail_id: int
+    tail_slots: int
+    tail_bytes: int
+    txn_bytes: int
 
     def __init__(self, root: Path, *, shard_size: int | str | None, compress: bool, reset: bool,
                  make_reader: Callable[[Generation], Reader]) -> None:

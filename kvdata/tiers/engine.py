@@ -15,6 +15,7 @@ announce: prefetch the next-needed shards that fit, evict the furthest.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import threading
@@ -33,6 +34,7 @@ from . import policy
 from .fetch import Fetcher
 from .homes import Home
 from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Tier
+
 
 @dataclass
 class Counters:
@@ -193,7 +195,7 @@ class Engine:
             if fut is None:
                 fut = self._jobs.submit(self._stage_job, home, entry, target, need_now)
                 self._inflight[key] = fut
-                fut.add_done_callback(lambda f, k=key: self._done(k, f))
+                fut.add_done_callback(functools.partial(self._done, key))
         return fut
 
     def _done(self, key: tuple[str, str], fut: Future[Path]) -> None:
@@ -379,7 +381,7 @@ class Engine:
                     self._count("evictions", 1)
         return n
 
-    def status(self) -> ShardEntry:
+    def status(self) -> dict[str, Any]:
         tiers = []
         for t in self.tiers:
             ok = t.healthy()

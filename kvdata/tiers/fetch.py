@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO
 
 import zstandard
 
 from .._util.fsutil import is_regular
-from ..errors import ChecksumMismatchError, KVDataError, RemoteError, StagingAbortedError
+from ..errors import ChecksumMismatchError, RemoteError, StagingAbortedError
 from ..format import ShardEntry
 from ..format.codec import CHUNK
 from .homes import Home
@@ -129,7 +130,7 @@ class _Writer:
 
     def __init__(self, out: BinaryIO, abort: threading.Event, sha: Any) -> None:
         self._out, self._abort, self._sha = out, abort, sha
-        self._q: "queue.Queue[tuple[bytes, bytes] | None]" = queue.Queue(maxsize=8)
+        self._q: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=8)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvdata-stage-write", daemon=True)
         self._thread.start()

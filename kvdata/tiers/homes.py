@@ -13,9 +13,10 @@ import shutil
 import ssl
 import threading
 import urllib.parse
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..errors import KVDataError, NotADatasetError, ReadOnlyError, RemoteError
 
@@ -207,9 +208,10 @@ class HTTPHome(Home):
         resp, _ = self._request("HEAD", name, {})
         if resp.status == 404:
             raise RemoteError(f"{self.where(name)} does not exist (HTTP 404)")
-        if resp.status != 200 or resp.getheader("Content-Length") is None:
+        length = resp.getheader("Content-Length")
+        if resp.status != 200 or length is None or not length.isdigit():
             raise RemoteError(f"{self.where(name)}: HTTP {resp.status}")
-        return int(resp.getheader("Content-Length"))
+        return int(length)
 
     def read_range(self, name: str, start: int, length: int) -> bytes:
         if length == 0:

@@ -11,8 +11,8 @@ serves the in-process engine, the daemon, and bench/staging.py's replay.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 INF = float("inf")
 

@@ -15,13 +15,12 @@ import errno
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from .._util.fsutil import unlink_quiet
 from ..config import TierConfig
-from ..errors import ChecksumMismatchError, KVDataError
 from ..format import names
 
 PIN_SECONDS = 5.0
