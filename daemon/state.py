@@ -49,7 +49,6 @@ class ClientState:
     pid: int | None = None
     readers: set[str] = field(default_factory=set)
     stall_seconds: float = 0.0
-    connected_at: float = field(default_factory=time.time)
 
 
 def check_location(value: Any) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
 from typing import BinaryIO
 
 import zstandard
@@ -48,15 +47,3 @@ def compress_file(src: str | os.PathLike[str], dst: BinaryIO, level: int = 3) ->
                          os.fstat(f.fileno()).st_size, read_size=CHUNK, write_size=CHUNK)
     return sink.size, sink.sha.hexdigest()
 
-
-def decompress_stream(src: BinaryIO, write: Callable[[bytes], object]) -> tuple[int, str]:
-    """Decompress a zstd stream into `write`; return (uncompressed size, sha256)."""
-    h = hashlib.sha256()
-    size = 0
-    dctx = zstandard.ZstdDecompressor()
-    with dctx.stream_reader(src, read_size=CHUNK) as reader:
-        while chunk := reader.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-            write(chunk)
-    return size, h.hexdigest()

@@ -40,6 +40,9 @@ KIND_TOMBSTONE = 2
 
 PREFIX = struct.Struct("<BBBBIIII")
 PREFIX_SIZE = PREFIX.size  # 20
+# positions in PREFIX.unpack(...) of the fields readers pick out one at a time
+PREFIX_HEAD, PREFIX_LAYOUT_LEN, PREFIX_META_LEN = 4, 5, 6
+KIND_SHIFT = 24  # the index's head_kind = payload start | kind << KIND_SHIFT
 ALIGN = 8
 MAX_KEY_BYTES = 4096
 MAX_HEAD = (1 << 24) - 1

@@ -34,6 +34,7 @@ class DaemonStager:
         self._pid = os.getpid()
         self._paths: dict[str, tuple[Path, bool]] = {}  # sha -> where the daemon last put it
         self._sent: dict[str, tuple[int, float]] = {}   # reader -> (position, when) last reported
+        self.stall_seconds = 0.0  # time this process waited for shards: reported with progress
 
     @property
     def home(self) -> Home:
@@ -75,7 +76,9 @@ class DaemonStager:
         known = self._paths.get(entry.sha256)
         if known is not None and known[0].exists():  # still there: map it again without a round trip
             return known                             # (if it vanishes first, the store asks again)
+        t0 = time.monotonic()
         reply = self._call("need", shard=entry.id, sha256=entry.sha256)
+        self.stall_seconds += time.monotonic() - t0
         if reply is not None:
             path, staged = Path(reply["path"]), bool(reply["staged"])
             if not staged or path.name == names.staged_name(entry.sha256):  # the copy this manifest names
@@ -102,7 +105,8 @@ class DaemonStager:
         if last is not None and now - last[1] < PROGRESS_INTERVAL:
             return
         self._sent[reader] = (position, now)
-        if self._call("progress", reader=reader, position=position) is None and self._fallback is not None:
+        stall = round(self.stall_seconds, 6)
+        if self._call("progress", reader=reader, position=position, stall=stall) is None and self._fallback is not None:
             self._fallback.progress(reader, position)
 
     def status(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ READAHEAD_PROBES = 8  # values of a batch probed with mincore before hinting the
 LOCATE_ATTEMPTS = 3   # a staged copy may vanish between being located and being mapped
 _PAGE_MASK = ~(mmap.PAGESIZE - 1)
 _HEAD_MASK = fmt.MAX_HEAD
-_KIND_SHIFT = 24
+_KIND_SHIFT = fmt.KIND_SHIFT
 
 
 class Reader:
@@ -90,10 +90,6 @@ class Reader:
         self._handles = []
         self._copier.close()
 
-    @property
-    def mapped_shards(self) -> int:
-        return len(self._sealed)
-
     # ------------------------------------------------------------ reads
 
     def positions(self, indices: Any) -> np.ndarray:
@@ -145,7 +141,7 @@ class Reader:
                     out[j] = h.mv[a:a + size] if not copy else h.mm[a:a + size]
                 else:
                     a = off + fmt.PREFIX_SIZE
-                    lb = h.mm[a:a + unpack(h.mv, off)[5]]
+                    lb = h.mm[a:a + unpack(h.mv, off)[fmt.PREFIX_LAYOUT_LEN]]
                     plan = plans.get(lb) or self._plan(lb)
                     out[j] = decode(plan, h.u8, h.mv, off + head, copy)
         if not all_sealed:

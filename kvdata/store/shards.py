@@ -239,7 +239,7 @@ def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], No
                 if i == 0:
                     base = _map_base(path, addr)
                 rows[i] = (addr - base if base is not None else fmt.UNKNOWN_OFFSET,
-                           len(v) - h.head, h.head | (h.kind << 24))
+                           len(v) - h.head, h.head | (h.kind << fmt.KIND_SHIFT))
                 if on_record is not None:
                     on_record(i, h, v)
     except lmdb.Error as e:
@@ -261,7 +261,7 @@ def _check_offsets(path: Path, rows: np.ndarray) -> None:
             ok = len(head) == fmt.PREFIX_SIZE
             if ok:
                 magic, kind, _v, _f, hd, _ll, _ml, _crc = fmt.PREFIX.unpack(head)
-                ok = magic == fmt.MAGIC and (hd | kind << 24) == int(rows["head_kind"][i])
+                ok = magic == fmt.MAGIC and (hd | kind << fmt.KIND_SHIFT) == int(rows["head_kind"][i])
             if not ok:
                 rows["offset"] = fmt.UNKNOWN_OFFSET
                 return
@@ -335,12 +335,6 @@ class SealedShard:
             except OSError:
                 pass
 
-    def advise(self, advice: int) -> None:
-        """Pass an madvise hint (e.g. MADV_RANDOM) for the whole map."""
-        try:
-            self.mm.madvise(advice)
-        except (AttributeError, OSError, ValueError):
-            pass
 
 
 def iter_lmdb_records(path: Path, tail: bool, shard_size: int = 0) -> Iterator[tuple[int, memoryview]]:

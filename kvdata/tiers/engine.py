@@ -256,16 +256,21 @@ class Engine:
         """Evict per policy until `size` fits; a need-now shard goes in even if nothing can go."""
         with self._lock:
             demands = list(self._demands.values())
+        return self._evict_until_fits(tier, size, demands, self._pinned_now()) or need_now
+
+    def _evict_until_fits(self, tier: Tier, incoming: int, demands: list[policy.Demand], pinned: set[str]) -> bool:
+        """Evict in policy order until `incoming` more bytes fit the budget; whether they do.
+
+        Walks the whole candidate list: a victim a reader holds is skipped, the next one tried."""
         resident = tier.resident()
         used = sum(resident.values())
-        # walk the whole candidate list: a victim a reader holds is skipped, the next one tried
-        for victim in policy.eviction_order(resident, demands, in_use=self._pinned_now()):
-            if used + size <= tier.budget:
+        for victim in policy.eviction_order(resident, demands, in_use=pinned):
+            if used + incoming <= tier.budget:
                 break
             if tier.try_evict(victim, grace=self._grace(victim)):
                 self._count("evictions", 1)
                 used -= resident[victim]
-        return need_now or used + size <= tier.budget
+        return used + incoming <= tier.budget
 
     # ------------------------------------------------------------ order-aware prefetch
 
@@ -360,14 +365,7 @@ class Engine:
                 demands = list(self._demands.values())
         pinned = self._pinned_now() if pinned is None else pinned
         for tier in self.tiers:
-            resident = tier.resident()
-            used = sum(resident.values())
-            for victim in policy.eviction_order(resident, demands, in_use=pinned):
-                if used <= tier.budget:
-                    break
-                if tier.try_evict(victim, grace=self._grace(victim)):
-                    self._count("evictions", 1)
-                    used -= resident[victim]
+            self._evict_until_fits(tier, 0, demands, pinned)
 
     def evict(self, entries: list[ShardEntry], tier: str | None = None) -> int:
         """Drop staged copies of these shards (not ones being read); returns how many."""
@@ -394,7 +392,8 @@ class Engine:
             inflight = len(self._inflight)
         return {"tiers": tiers, "hits": s.hits, "misses": s.misses, "hit_rate": s.hits / lookups if lookups else None,
                 "shards_staged": s.shards_staged, "bytes_staged": s.bytes_staged, "bytes_from_home": s.bytes_from_home,
-                "evictions": s.evictions, "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight,
+                "evictions": s.evictions, "home_reads": s.home_reads,
+                "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight,
                 "readers": len(self._demands), "errors": list(s.errors)}
 
     def close(self, abort: bool = False) -> None:

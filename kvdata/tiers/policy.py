@@ -27,8 +27,9 @@ class Demand:
 
 @dataclass(frozen=True)
 class TierPlan:
+    """What to fetch into a tier; eviction happens when each staged copy needs room."""
+
     stage: list[str] = field(default_factory=list)   # in the order to fetch them (nearest first)
-    evict: list[str] = field(default_factory=list)   # in the order to drop them
 
 
 def next_uses(demands: Iterable[Demand], lookahead: int | None = None) -> dict[str, int]:
@@ -43,17 +44,15 @@ def next_uses(demands: Iterable[Demand], lookahead: int | None = None) -> dict[s
 
 
 def plan_tier(budget: int, sizes: Mapping[str, int], resident: Mapping[str, int], demands: Iterable[Demand],
-              in_use: Iterable[str] = (), need_now: Iterable[str] = (), lookahead: int | None = None) -> TierPlan:
-    """Stage/evict actions that move a tier toward holding the nearest-needed shards.
+              in_use: Iterable[str] = (), lookahead: int | None = None) -> TierPlan:
+    """The shards to stage that move a tier toward holding the nearest-needed shards.
 
     Only shards within `lookahead` steps of a reader are fetched ahead of time; the rest of
     the budget keeps residents in next-use order (Belady). Prefetching the whole budget ahead
     would evict shards the next epoch reads first -- the seed tells us which -- only to fetch
-    them again. `need_now` shards are staged even if nothing can be evicted (a reader is
-    waiting: progress beats the budget by at most those shards, so there is no deadlock).
+    them again. A shard is planned only if the evictable residents make room for it.
     """
     in_use = set(in_use)
-    need_now = [k for k in need_now if k not in resident]
     nu = next_uses(demands)
     held = {k for k in resident if k in in_use}   # they stay whatever we plan: they use budget
     want: list[str] = [k for k in held if k in nu]
@@ -67,25 +66,20 @@ def plan_tier(budget: int, sizes: Mapping[str, int], resident: Mapping[str, int]
         want.append(key)
         acc += size
     want_set = set(want)
-    stage = [k for k in need_now] + [k for k in want if k not in resident and k not in need_now
-                                     and (lookahead is None or nu[k] < lookahead)]
+    stage = [k for k in want if k not in resident and (lookahead is None or nu[k] < lookahead)]
     evictable = [k for k in resident if k not in want_set and k not in in_use]
     evictable.sort(key=lambda k: (-nu.get(k, INF), k))  # never-needed first, then furthest
     used = sum(resident.values())
-    evict: list[str] = []
     final_stage: list[str] = []
     for k in stage:
         size = sizes.get(k, 0)
         while used + size > budget and evictable:
-            victim = evictable.pop(0)
-            evict.append(victim)
-            used -= resident[victim]
-        if used + size <= budget or k in need_now:
-            final_stage.append(k)
-            used += size
-        else:
+            used -= resident[evictable.pop(0)]
+        if used + size > budget:
             break  # the rest would not fit either: nothing more can be evicted
-    return TierPlan(stage=final_stage, evict=evict)
+        final_stage.append(k)
+        used += size
+    return TierPlan(stage=final_stage)
 
 
 def eviction_order(resident: Mapping[str, int], demands: Iterable[Demand], in_use: Iterable[str] = ()) -> list[str]:
