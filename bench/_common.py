@@ -26,8 +26,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=1000, help="kill cycles in all (default 1000)")
     ap.add_argument("--seed", type=int, default=0, help="seed of kill moments and of the writers' batches")
-    ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a new temp dir, removed unless --keep)")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="work directory (default: a new temp dir, removed unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the datasets and journals")
     ap.add_argument("--per-dataset", type=int, default=50, help="kills per dataset before starting a fresh one")
     ap.add_argument("--shard-sizes", default="64KB,4MB",

@@ -45,8 +45,21 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MB, built, log, machine_info, machine_line, make_images, mark_built,  # noqa: E402
-                     md_table, median as med, quantile_sorted, work_dir, write_image_dataset, write_json)
+from _common import (  # noqa: E402
+    MB,
+    built,
+    log,
+    machine_info,
+    machine_line,
+    make_images,
+    mark_built,
+    md_table,
+    median,
+    quantile_sorted,
+    work_dir,
+    write_image_dataset,
+    write_json,
+)
 
 HERE = Path(__file__).resolve()
 _STRIP_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "KVDATA_SOCKET", "KVDATA_CONFIG", "LISTEN_FDS")
@@ -317,7 +330,8 @@ def start_readers(a: argparse.Namespace, homes: list[Path], run_dir: Path,
     return procs, outs, go
 
 
-def finish_readers(a: argparse.Namespace, procs: list[subprocess.Popen[bytes]], outs: list[Path]) -> list[dict[str, Any]]:
+def finish_readers(a: argparse.Namespace, procs: list[subprocess.Popen[bytes]],
+                   outs: list[Path]) -> list[dict[str, Any]]:
     deadline = time.monotonic() + a.reader_timeout
     reports = []
     for p, out in zip(procs, outs):
@@ -510,22 +524,23 @@ def engine_locate_latency(a: argparse.Namespace, tier: Path, budget: int, homes:
 
 # ====================================================================== report
 
-def report(a: argparse.Namespace, homes: list[Path], runs: list[dict[str, Any]], budget: int) -> tuple[str, dict[str, Any]]:
+def report(a: argparse.Namespace, homes: list[Path], runs: list[dict[str, Any]],
+           budget: int) -> tuple[str, dict[str, Any]]:
     d = [x for x in runs if x["mode"] == "daemon"]
     p = [x for x in runs if x["mode"] == "no daemon"]
     E = a.epochs
 
     def m(rs: list[dict[str, Any]], key: str) -> float:
-        return med([float(x[key]) for x in rs])
+        return median([float(x[key]) for x in rs])
 
     def me(rs: list[dict[str, Any]], e: int) -> float:
-        return med([x["min_reader_epoch_samples_per_s"][e] for x in rs])
+        return median([x["min_reader_epoch_samples_per_s"][e] for x in rs])
 
     # "one job's" traffic and tier usage: per dataset, the median over its no-daemon jobs, summed over datasets
     njobs = a.jobs
-    one_home = med([sum(med([x["per_reader_home_bytes"][di * njobs + j] for j in range(njobs)])
+    one_home = median([sum(median([x["per_reader_home_bytes"][di * njobs + j] for j in range(njobs)])
                         for di in range(len(homes))) for x in p])
-    one_peak = med([sum(med([x["per_reader_peak_tier_bytes"][di * njobs + j] for j in range(njobs)])
+    one_peak = median([sum(median([x["per_reader_peak_tier_bytes"][di * njobs + j] for j in range(njobs)])
                         for di in range(len(homes))) for x in p])
     unc = sum(int(e["bytes"]) for h in homes for e in shards_of(h))
     zst = sum(int(e["zst"]["bytes"]) for h in homes for e in shards_of(h))
@@ -549,7 +564,7 @@ def report(a: argparse.Namespace, homes: list[Path], runs: list[dict[str, Any]],
     lats = [x["latency"] for x in d]
 
     def lm(kind: str, key: str) -> float:
-        return med([x[kind][key] for x in lats])
+        return median([x[kind][key] for x in lats])
 
     lrows = []
     for kind, name in (("need", "need (staged shard), through kvdatad"), ("status", "status, through kvdatad"),
@@ -570,7 +585,8 @@ def report(a: argparse.Namespace, homes: list[Path], runs: list[dict[str, Any]],
     notes = []
     fb = sorted({pid for x in d for pid in x["fell_back"]})
     if fb:
-        notes.append(f"_readers {fb} fell back to their own engine during a daemon run (their home bytes are counted)._")
+        notes.append(f"_readers {fb} fell back to their own engine during a daemon run "
+                     "(their home bytes are counted)._")
     if any(x["latency"]["need_not_staged"] for x in d):
         notes.append("_some need replies were not staged copies: the latency is not of a staged shard._")
     if any(x["daemon_errors"] for x in d):
@@ -584,7 +600,8 @@ def report(a: argparse.Namespace, homes: list[Path], runs: list[dict[str, Any]],
             f"daemon/no-daemon order alternating.", "",
             md_table(cols, rows),
             f"Protocol latency, one client, one request at a time, {a.requests} need requests round robin over the "
-            f"{lats[0]['shards']} staged shards (+200 warm-up) and {a.status_requests} status requests, idle daemon:", "",
+            f"{lats[0]['shards']} staged shards (+200 warm-up) and {a.status_requests} status requests, "
+            "idle daemon:", "",
             md_table(["request", "n", "p50 ms", "p99 ms", "max ms"], lrows),
             "Targets: " + "; ".join(tg) + ".", ""] + notes
     return "\n".join(text), {"home_vs_one_job": home_r, "peak_vs_one_job": peak_r, "need_p99_ms": need_p99,
@@ -653,8 +670,9 @@ def main() -> None:
                 log(f"repeat {r} {res['mode']}: home {res['home_bytes'] / MB:.1f} MB, peak tier "
                     f"{res['peak_tier_bytes'] / MB:.1f} MB, {res['aggregate_samples_per_s']:.0f} samples/s aggregate, "
                     f"min reader {res['min_reader_samples_per_s']:.0f}"
-                    + (f", need p50/p99 {res['latency']['need']['p50_ms']:.3f}/{res['latency']['need']['p99_ms']:.3f} ms"
-                       if "latency" in res else "") + f" ({time.perf_counter() - t:.1f}s)")
+                    + (f", need p50/p99 {res['latency']['need']['p50_ms']:.3f}/"
+                       f"{res['latency']['need']['p99_ms']:.3f} ms" if "latency" in res else "")
+                    + f" ({time.perf_counter() - t:.1f}s)")
         text, verdicts = report(a, homes, runs, budget)
     finally:
         cleanup_all()

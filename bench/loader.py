@@ -33,8 +33,9 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -48,13 +49,27 @@ import torch.utils.data as tud  # noqa: E402
 import kvdata  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (BATCH, IMG, SHAPE, built, dir_bytes, image_chunks, machine_info,  # noqa: E402
-                     machine_line, mark_built, md_table, median as med, rotated, timed, work_dir,
-                     write_json)
+from _common import (  # noqa: E402
+    BATCH,
+    IMG,
+    SHAPE,
+    built,
+    dir_bytes,
+    image_chunks,
+    machine_info,
+    machine_line,
+    mark_built,
+    md_table,
+    median,
+    rotated,
+    timed,
+    work_dir,
+    write_json,
+)
 
 try:
-    from PIL import Image
     import PIL
+    from PIL import Image
 except ImportError:  # pip install pillow
     Image = PIL = None
 try:
@@ -64,7 +79,8 @@ except ImportError:  # pip install mmap-ninja
     mmap_ninja = RaggedMmap = None
 try:
     import litdata
-    from litdata import StreamingDataLoader, StreamingDataset, optimize as lit_optimize
+    from litdata import StreamingDataLoader, StreamingDataset
+    from litdata import optimize as lit_optimize
     LITDATA_ERROR = ""
 except Exception as e:  # pip install litdata; any import failure skips its rows, with the reason
     litdata = StreamingDataLoader = StreamingDataset = lit_optimize = None
@@ -126,7 +142,7 @@ def build(root: Path, a: argparse.Namespace) -> dict[str, Any]:
             idx = range(start, start + len(arr))
             flat.write(arr.tobytes())
             # the label is a record field (what Dataset returns) and the side-index label (BatchReader's)
-            st.put_many(("%08d" % i, {"image": img, "label": int(labels[i])}, int(labels[i]))
+            st.put_many((f"{i:08d}", {"image": img, "label": int(labels[i])}, int(labels[i]))
                         for i, img in zip(idx, arr))
             if RaggedMmap is not None:
                 if rm is None:
@@ -387,7 +403,7 @@ def measure_memcpy(times: int = 5) -> float:
     np.copyto(dst, src)  # fault in dst
     ts = [timed(np.copyto, dst, src)[0] for _ in range(times)]
     del src, dst
-    return MEMCPY_BYTES / med(ts)
+    return MEMCPY_BYTES / median(ts)
 
 
 def run_batch_reader(path: Path, count: int, flat: np.ndarray | None, sink_total: list[int]) -> float:
@@ -422,9 +438,9 @@ def loader_table(title: str, mode: str, rates: dict, ms: list[Method], workers: 
     for m in ms:
         row = [m.name, m.how]
         for w in workers:
-            v = med(rates[m.name][mode][str(w)])
-            b = med(rates.get(BASE, {}).get(mode, {}).get(str(w), []))
-            j = med(rates.get(JPEG, {}).get(mode, {}).get(str(w), []))
+            v = median(rates[m.name][mode][str(w)])
+            b = median(rates.get(BASE, {}).get(mode, {}).get(str(w), []))
+            j = median(rates.get(JPEG, {}).get(mode, {}).get(str(w), []))
             row += [f"{v:,.0f}", f"{v / b:.2f}x", f"{v / j:.1f}x"]
         rows.append(row)
     return f"### {title}\n\n" + md_table(head, rows, left=2)
@@ -515,8 +531,9 @@ def main() -> None:
                 gc.collect()
                 print(f"repeat {r + 1}/{a.repeats}: {m.name} ({time.perf_counter() - tm:.1f}s)", file=sys.stderr)
             # BatchReader and memcpy after the loaders: no reader thread is alive while workers fork
+            check = flat if r == 0 else None  # the first BatchReader run checks its first batch
             pair = [lambda: memcpy.append(measure_memcpy()),
-                    lambda: br.append(run_batch_reader(root / "kvdata", a.br_batches, flat if r == 0 else None, br_total))]
+                    lambda check=check: br.append(run_batch_reader(root / "kvdata", a.br_batches, check, br_total))]
             for f in rotated(pair, r):
                 f()
             gc.collect()
@@ -531,14 +548,15 @@ def main() -> None:
                f"batch {BATCH}, shuffled; K={k} short batches, W={w} warm-up + M={a.steady_batches} steady batches, "
                f"{a.repeats} repeats (medians)",
                "- on disk: " + ", ".join(f"{f} {v / 1e6:,.0f} MB" for f, v in sizes.items())
-               + (f"; JPEG {sizes['jpeg'] / a.n_images / 1e3:.1f} KB/image (q{a.jpeg_quality})" if "jpeg" in sizes else "")
+               + (f"; JPEG {sizes['jpeg'] / a.n_images / 1e3:.1f} KB/image (q{a.jpeg_quality})"
+                  if "jpeg" in sizes else "")
                + f"; kvdata {info['kvdata_shards']} sealed shard(s)"]
         md += [f"- {x}" for x in notes] + [""]
         md.append(loader_table(f"(a) short: fresh DataLoader, {k} batches incl. worker start-up and shutdown "
                                "(images/s)", "short", rates, ms, workers))
         md.append(loader_table(f"(b) steady: persistent workers, after {w} warm-up batch(es), {a.steady_batches} "
                                "batches (images/s)", "steady", rates, ms, workers))
-        mc, b = med(memcpy), med(br)
+        mc, b = median(memcpy), median(br)
         threads = min(4, len(os.sched_getaffinity(0)))
         md += ["### (c) kvdata.BatchReader (batch 256, prefetch=4, no worker processes) vs memcpy", "",
                "| | images/s | GB/s | memcpy GB/s (np.copyto 256 MB) | of memcpy |", "|---|---:|---:|---:|---:|",
@@ -550,13 +568,13 @@ def main() -> None:
         if KV in rates and BASE in rates:
             for mode in ("steady", "short"):
                 for nw in workers:
-                    kv_v = med(rates[KV][mode][str(nw)])
-                    base_v = med(rates[BASE][mode][str(nw)])
+                    kv_v = median(rates[KV][mode][str(nw)])
+                    base_v = median(rates[BASE][mode][str(nw)])
                     line = f"- {mode}, nw={nw}: kvdata {kv_v / base_v:.2f}x np.memmap recipe"
                     if nw == 2:
                         line += " (target >= 2x: " + ("met" if kv_v >= 2 * base_v else "NOT met") + ")"
                     if JPEG in rates:
-                        jv = med(rates[JPEG][mode][str(nw)])
+                        jv = median(rates[JPEG][mode][str(nw)])
                         line += f", {kv_v / jv:.1f}x JPEG folder"
                         if nw == 2:
                             line += " (target >= 10x: " + ("met" if kv_v >= 10 * jv else "NOT met") + ")"

@@ -36,15 +36,29 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import (Table, block_markers, can_drop_caches, demote_headings, finite, machine_info,  # noqa: E402
-                     machine_line, md_table, md_tables, num, read_blocks, replace_block, write_json)
+from _common import (  # noqa: E402
+    Table,
+    block_markers,
+    can_drop_caches,
+    demote_headings,
+    finite,
+    machine_info,
+    machine_line,
+    md_table,
+    md_tables,
+    num,
+    read_blocks,
+    replace_block,
+    write_json,
+)
 
 OUT = HERE / "out"
 PLOTS = HERE / "plots"
@@ -126,7 +140,8 @@ class Bench:
     def argv(self, quick: bool, json_path: Path) -> list[str]:
         """The subprocess's argv (run from the repo root, so paths inside it are repo-relative)."""
         rel = lambda p: str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)  # noqa: E731
-        return [sys.executable, rel(HERE / self.script), *(self.quick if quick else self.full), "--json", rel(json_path)]
+        flags = self.quick if quick else self.full
+        return [sys.executable, rel(HERE / self.script), *flags, "--json", rel(json_path)]
 
     def command(self, quick: bool) -> str:
         """The command as a user would type it (from the repo root)."""

@@ -44,19 +44,36 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 import kvdata
 from kvdata import order as order_mod
 from kvdata.tiers import policy
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (IMG, MB, built, drop_caches, image_chunks, machine_info, machine_line,  # noqa: E402
-                     mark_built, md_table, median as med, quantile_sorted, repeat_rotated, timed,
-                     work_dir, write_image_dataset, write_json)
+from _common import (  # noqa: E402
+    IMG,
+    MB,
+    built,
+    drop_caches,
+    image_chunks,
+    machine_info,
+    machine_line,
+    mark_built,
+    md_table,
+    median,
+    quantile_sorted,
+    repeat_rotated,
+    timed,
+    work_dir,
+    write_image_dataset,
+    write_json,
+)
 
 HERE = Path(__file__).resolve().parent
 NETLAB_SH = HERE.parent.parent / "shared" / "netlab" / "netlab.sh"
@@ -189,10 +206,10 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
     times = repeat_rotated(list(methods), a.repeats, run)
     blobs.clear()
     base = "cp .zst (copyfile+fsync): raw source bandwidth"
-    base_src = methods[base][1] / med(times[base])
+    base_src = methods[base][1] / median(times[base])
     rows, out_rows = [], []
     for name, (_fn, s, o, _c) in methods.items():
-        t = med(times[name])
+        t = median(times[name])
         rows.append([name, f"{s / t / MB:,.0f}", f"{o / t / MB:,.0f}", f"{s / t / base_src:.2f}x"])
         out_rows.append({"method": name, "seconds": times[name], "source_MBps": s / t / MB, "output_MBps": o / t / MB,
                          "vs_cp_zst": s / t / base_src})
@@ -202,7 +219,8 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
             f"{unc / MB:,.0f} MB uncompressed, {zst / MB:,.0f} MB .zst (ratio {unc / zst:.2f}); tier dir under "
             f"{tier_parent}; page cache {'dropped before each disk method' if cold else 'warm (files just written)'}; "
             f"fsync {'off' if a.no_fsync else 'on'}; median of {a.repeats}.", "",
-            md_table(["method", "source MB/s (read from home)", "output MB/s (uncompressed)", "vs cp .zst (source)"], rows),
+            md_table(["method", "source MB/s (read from home)", "output MB/s (uncompressed)",
+                      "vs cp .zst (source)"], rows),
             f"Target: Engine.stage of the .zst home >= 0.80x cp .zst: "
             f"{'met' if stage_row['vs_cp_zst'] >= 0.8 else 'NOT met'} ({stage_row['vs_cp_zst']:.2f}x).", ""]
     if a.cold and not cold:
@@ -358,7 +376,8 @@ class EngineSim:
     Modelled on the engine as of this script: ShardShuffleSampler announces each epoch's
     shard_order (first-use order) followed by the next epoch's (known from the seed, so a
     shard can appear twice: its next use is its first occurrence at or after the position)
-    and reports progress = newest first-touched shard - (window - 1). Every progress change and every successful stage runs _replan: trim (walk
+    and reports progress = newest first-touched shard - (window - 1). Every progress change and
+    every successful stage runs _replan: trim (walk
     policy.eviction_order down to the budget), then policy.plan_tier with in_use = need-now
     pins + shards readers hold (Tier.held), at most 2*workers stages per round. Every stage
     runs _make_room: walk the eviction order, skipping shards a reader holds, until it fits;
@@ -585,7 +604,7 @@ def brute(tr: Trace, B: int, kind: str) -> list[int]:
     """Slow reference simulators: misses per epoch."""
     flat = [x for ep in tr.epochs for x in ep]
     out, t, res, lru = [], 0, set(), []
-    for e, ep in enumerate(tr.epochs):
+    for ep in tr.epochs:
         m = 0
         start = t
         for x in ep:
@@ -601,7 +620,7 @@ def brute(tr: Trace, B: int, kind: str) -> list[int]:
                 m += 1
                 if len(res) >= B:
                     if kind == "belady":
-                        def nu(y: int) -> int:
+                        def nu(y: int, t: int = t) -> int:
                             for j in range(t + 1, len(flat)):
                                 if flat[j] == y:
                                     return j
@@ -659,7 +678,8 @@ def run_policy(a: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         reduce = kind == "shard" and reducible(a.window, budgets)
         t0 = time.perf_counter()
         tr = make_trace(shards, kind, a.seed, a.epochs, a.window, reduce)
-        label = f"shard-aware order (window {a.window})" if kind == "shard" else "full random order (every sample shuffled)"
+        label = (f"shard-aware order (window {a.window})" if kind == "shard"
+                 else "full random order (every sample shuffled)")
         rows, res, verdicts = [], {}, []
         for pct, B in zip(a.budgets, budgets):
             got = {}
@@ -688,7 +708,9 @@ def run_policy(a: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             verdicts.append(f"{pct:g}%: " + ", ".join(v))
         secs = time.perf_counter() - t0
         text += [f"#### {label}: {S} shards x {per} samples, {a.epochs} epochs, "
-                 f"{sum(tr.accesses):,} shard accesses{' (replayed as each shard-epoch first+last access: exact, see docstring)' if reduce else ''}; {secs:.0f}s", "",
+                 f"{sum(tr.accesses):,} shard accesses"
+                 f"{' (replayed as each shard-epoch first+last access: exact, see docstring)' if reduce else ''}; "
+                 f"{secs:.0f}s", "",
                  md_table(["budget (shards)", "policy", "hit rate", "vs Belady (points)", "traffic epoch 1",
                            f"traffic/epoch 2-{a.epochs}", "1 - budget", f"demand misses/epoch 2-{a.epochs}",
                            "max over budget (shards)"], rows, left=2),
@@ -929,7 +951,7 @@ def run_network_once(a: argparse.Namespace, work: Path, label: str, link_mbps: f
         return f"{100 * mbps * 8 / link_mbps:.0f}%" if link_mbps else "-"
 
     rows = []
-    for name, r in ((f"(a) one GET per sample, in sequence", res["gets"]["seq"]),
+    for name, r in (("(a) one GET per sample, in sequence", res["gets"]["seq"]),
                     (f"(b) thread pool of {a.threads} GETs per sample", res["gets"]["pool"]),
                     ("(c) kvdata.Dataset + DataLoader, epoch 1 (cold tiers)", res["kvdata"][0]),
                     ("(c) kvdata.Dataset + DataLoader, epoch 2", res["kvdata"][1]),
@@ -1072,7 +1094,8 @@ def main() -> None:
                     help="keep DataLoader workers across epochs (default: fresh workers each epoch, as torch does)")
     sn.add_argument("--budget", help="tier budget (default: 3x the dataset)")
     sn.add_argument("--link-mbps", type=float, help="link rate for the %% column (netlab: from --rate)")
-    sn.add_argument("--netlab-up", action="store_true", help="bring ../shared/netlab up, run at each --rtt-ms, take it down")
+    sn.add_argument("--netlab-up", action="store_true",
+                    help="bring ../shared/netlab up, run at each --rtt-ms, take it down")
     sn.add_argument("--rtt-ms", default="10,25")
     sn.add_argument("--rate", default="1gbit")
     sn.add_argument("--netlab-sh", default=str(NETLAB_SH))

@@ -19,16 +19,32 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lmdb
 import numpy as np
 
 import kvdata
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (BATCH, IMG, SHAPE, built, drop_caches, image_chunks, machine_info,  # noqa: E402
-                     machine_line, mark_built, md_table, median, repeat_rotated, work_dir, write_json)
+from _common import (  # noqa: E402
+    BATCH,
+    IMG,
+    SHAPE,
+    built,
+    drop_caches,
+    image_chunks,
+    machine_info,
+    machine_line,
+    mark_built,
+    md_table,
+    median,
+    repeat_rotated,
+    work_dir,
+    write_json,
+)
 
 try:
     from mmap_ninja import numpy as ninja_np
@@ -61,7 +77,7 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
             with env.begin(write=True) as txn:
                 for i, a in zip(keys, arr):
                     txn.put(b"%08d" % i, a.tobytes(), append=True)
-            st.put_many(("%08d" % i, {"image": a} if image else a.tobytes()) for i, a in zip(keys, arr))
+            st.put_many((f"{i:08d}", {"image": a} if image else a.tobytes()) for i, a in zip(keys, arr))
             if ninja_np is None:
                 pass
             elif image:  # fixed-shape samples: one (N, 227, 227, 3) memmap
@@ -125,7 +141,8 @@ def image_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
          "kvdata get_many + np.stack": (lambda idx: np.stack([r["image"] for r in st.get_many(idx)]), "new array")}
     if ninja_np is not None:
         nin = ninja_np.open_existing(root / "ninja")
-        m["mmap_ninja numpy: take(out=)"] = (lambda idx: np.take(nin, idx, axis=0, out=out[:len(idx)], mode="clip"), "into out")
+        m["mmap_ninja numpy: take(out=)"] = (
+            lambda idx: np.take(nin, idx, axis=0, out=out[:len(idx)], mode="clip"), "into out")
         m["mmap_ninja numpy: mm[idx]"] = (lambda idx: nin[idx], "new array")
     return m, lambda: (env.close(), st.close())
 
@@ -191,7 +208,8 @@ def cold_openers(root: Path) -> dict[str, Callable]:
             "lmdb readahead=True": raw_lmdb(True), "kvdata s[i]": kv}
 
 
-def measure(methods: dict[str, tuple[Callable, str]], batches: list[np.ndarray], repeats: int) -> dict[str, list[float]]:
+def measure(methods: dict[str, tuple[Callable, str]], batches: list[np.ndarray],
+            repeats: int) -> dict[str, list[float]]:
     total = sum(len(b) for b in batches)
 
     def run(name: str, _r: int) -> float:
@@ -227,10 +245,12 @@ def table(title: str, rates: dict[str, list[float]], kinds: dict[str, str], base
     lines, rows = [], []
     for name, rs in rates.items():
         med = median(rs)
-        lines.append([name, kinds.get(name, "into buf"), f"{med:,.0f}", f"{med * nbytes / 1e6:,.0f}", f"{med / b:.2f}x"])
+        lines.append([name, kinds.get(name, "into buf"), f"{med:,.0f}", f"{med * nbytes / 1e6:,.0f}",
+                      f"{med / b:.2f}x"])
         rows.append({"method": name, "result": kinds.get(name, "into buf"), "median_samples_per_s": med,
                      "samples_per_s": rs, "ratio": med / b})
-    text = f"### {title}\n\n" + md_table(["method", "result", "samples/s (median)", "MB/s", f"vs {base}"], lines, left=2)
+    header = ["method", "result", "samples/s (median)", "MB/s", f"vs {base}"]
+    text = f"### {title}\n\n" + md_table(header, lines, left=2)
     return text, rows
 
 

@@ -211,8 +211,9 @@ def test_run_all_render_and_update(tmp_path):
     run_all = _load("run_all")
     readme = tmp_path / "README.md"
     readme.write_text(DOC.replace("bench:a:", "bench:store_read:").replace("bench:b:", "bench:crash_kill:"))
-    md = ("## kvdata store_read (m)\n\n### (a) warm\n\n"
-          + common.md_table(["method", "samples/s (median)", "vs np.memmap + offsets"], [["np.memmap + offsets", "10", "1.00x"]]))
+    table = common.md_table(["method", "samples/s (median)", "vs np.memmap + offsets"],
+                            [["np.memmap + offsets", "10", "1.00x"]])
+    md = "## kvdata store_read (m)\n\n### (a) warm\n\n" + table
     data = {"config": {"quick": "True"}, "machine": {"host": "h", "cpus": 2, "python": "3", "kernel": "k"},
             "markdown": md}
     done = run_all.update_readme(readme, {"store_read": data}, "2026-01-01")
