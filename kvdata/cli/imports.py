@@ -1,19 +1,26 @@
-"""`kvdata import folder|listfile|caffe` and `kvdata demo`: commands that build datasets."""
+"""`kvdata import folder|listfile|caffe` and `kvdata demo`: commands that build datasets.
+
+The importers (and through them Pillow and protobuf) are imported only when a
+command runs, so importing this module stays cheap.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
+from .._util.sizes import parse_size
 from ..errors import ConfigError
+from .output import print_json
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _check_size(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """Validate --shard-size up front, naming the option as the user typed it."""
     if value is not None:
-        from .._util.sizes import parse_size
-
         try:
             parse_size(value, "--shard-size")
         except ConfigError as e:
@@ -33,11 +40,8 @@ def _parse_resize(value: str | None) -> tuple[int, int] | None:
     return w, h
 
 
-def _common(f: Any) -> Any:
-    f = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")(f)
-    f = click.option("--no-compress", is_flag=True, help="Do not write .mdb.zst copies of sealed shards.")(f)
-    f = click.option("--shard-size", callback=_check_size,
-                     help="Seal shards at this size (default: 256MB for a new dataset, else the dataset's own).")(f)
+def _image_options(f: F) -> F:
+    """How images are decoded and in what order they are written (folder and listfile)."""
     f = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Processes that read and decode images (0: in-process).")(f)
     f = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the shuffled write order.")(f)
@@ -49,69 +53,81 @@ def _common(f: Any) -> Any:
     return f
 
 
-def _report(summary: dict[str, Any], as_json: bool) -> None:
-    from . import _json
+def _write_options(f: F) -> F:
+    """How the dataset is written and what is printed (every importer)."""
+    f = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")(f)
+    f = click.option("--no-compress", is_flag=True, help="Do not write .mdb.zst copies of sealed shards.")(f)
+    f = click.option("--shard-size", callback=_check_size,
+                     help="Seal shards at this size (default: 256MB for a new dataset, else the dataset's own).")(f)
+    return f
 
+
+def _report(summary: dict[str, Any], as_json: bool) -> None:
     if as_json:
-        _json(summary)
+        print_json(summary)
     else:
         click.echo(f"imported {summary['imported']} images into {summary['dataset']} "
                    f"({summary['classes']} classes, {summary['skipped']} files skipped) in {summary['seconds']:.1f} s")
 
 
-def register(main: click.Group) -> None:
-    @main.group("import")
-    def import_() -> None:
-        """Build a dataset from a folder of images, a Caffe list file or a Caffe LMDB."""
+@click.group("import")
+def import_group() -> None:
+    """Build a dataset from a folder of images, a Caffe list file or a Caffe LMDB."""
 
-    @import_.command("folder")
-    @click.argument("src", type=click.Path(exists=True, file_okay=False))
-    @click.argument("dataset", type=click.Path())
-    @_common
-    def import_folder(src: str, dataset: str, decode: str, resize: str | None, shuffle: bool, seed: int,
-                      workers: int, shard_size: str, no_compress: bool, as_json: bool) -> None:
-        """One record per image under SRC; label = parent directory (ImageFolder layout)."""
-        from ..importers.folder import import_folder as run
 
-        _report(run(src, dataset, decode=decode, resize=_parse_resize(resize), shuffle=shuffle, seed=seed,
-                    workers=workers, shard_size=shard_size, compress=not no_compress), as_json)
+@import_group.command("folder")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dataset", type=click.Path())
+@_image_options
+@_write_options
+def import_folder(src: str, dataset: str, decode: str, resize: str | None, shuffle: bool, seed: int,
+                  workers: int, shard_size: str | None, no_compress: bool, as_json: bool) -> None:
+    """One record per image under SRC; label = parent directory (ImageFolder layout)."""
+    from ..importers.folder import import_folder as run
 
-    @import_.command("listfile")
-    @click.argument("listfile", type=click.Path(exists=True, dir_okay=False))
-    @click.argument("dataset", type=click.Path())
-    @click.option("--root", required=True, type=click.Path(exists=True, file_okay=False),
-                  help="Directory the list's relative paths start from.")
-    @_common
-    def import_listfile(listfile: str, dataset: str, root: str, decode: str, resize: str | None, shuffle: bool,
-                        seed: int, workers: int, shard_size: str, no_compress: bool, as_json: bool) -> None:
-        """Caffe convert_imageset list: one `relative/path label` per line."""
-        from ..importers.folder import import_listfile as run
+    _report(run(src, dataset, decode=decode, resize=_parse_resize(resize), shuffle=shuffle, seed=seed,
+                workers=workers, shard_size=shard_size, compress=not no_compress), as_json)
 
-        _report(run(listfile, dataset, root=root, decode=decode, resize=_parse_resize(resize), shuffle=shuffle,
-                    seed=seed, workers=workers, shard_size=shard_size, compress=not no_compress), as_json)
 
-    @import_.command("caffe")
-    @click.argument("src_lmdb", metavar="SRC_LMDB", type=click.Path(exists=True))
-    @click.argument("dataset", type=click.Path())
-    @click.option("--keep-encoded", is_flag=True, help="Store encoded records' JPEG/PNG bytes as is (field 'encoded').")
-    @click.option("--shard-size", callback=_check_size,
-                     help="Seal shards at this size (default: 256MB for a new dataset, else the dataset's own).")
-    @click.option("--no-compress", is_flag=True, help="Do not write .mdb.zst copies of sealed shards.")
-    @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-    def import_caffe(src_lmdb: str, dataset: str, keep_encoded: bool, shard_size: str, no_compress: bool,
-                     as_json: bool) -> None:
-        """Caffe LMDB of Datum records (convert_imageset): keys, order and labels kept; images HWC."""
-        from ..importers.caffe import import_caffe as run
+@import_group.command("listfile")
+@click.argument("listfile", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dataset", type=click.Path())
+@click.option("--root", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Directory the list's relative paths start from.")
+@_image_options
+@_write_options
+def import_listfile(listfile: str, dataset: str, root: str, decode: str, resize: str | None, shuffle: bool,
+                    seed: int, workers: int, shard_size: str | None, no_compress: bool, as_json: bool) -> None:
+    """Caffe convert_imageset list: one `relative/path label` per line."""
+    from ..importers.folder import import_listfile as run
 
-        _report(run(src_lmdb, dataset, keep_encoded=keep_encoded, shard_size=shard_size,
-                    compress=not no_compress), as_json)
+    _report(run(listfile, dataset, root=root, decode=decode, resize=_parse_resize(resize), shuffle=shuffle,
+                seed=seed, workers=workers, shard_size=shard_size, compress=not no_compress), as_json)
 
-    @main.command()
-    @click.option("--dir", "workdir", type=click.Path(file_okay=False), help="Where to build (default: a temp dir).")
-    @click.option("--keep", is_flag=True, help="Keep the datasets instead of deleting them.")
-    @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-    def demo(workdir: str | None, keep: bool, as_json: bool) -> None:
-        """Build small datasets from real images bundled with scikit-learn and read them back fast."""
-        from ..demo import run_demo
 
-        run_demo(workdir, keep=keep, as_json=as_json)
+@import_group.command("caffe")
+@click.argument("src_lmdb", metavar="SRC_LMDB", type=click.Path(exists=True))
+@click.argument("dataset", type=click.Path())
+@click.option("--keep-encoded", is_flag=True, help="Store encoded records' JPEG/PNG bytes as is (field 'encoded').")
+@_write_options
+def import_caffe(src_lmdb: str, dataset: str, keep_encoded: bool, shard_size: str | None, no_compress: bool,
+                 as_json: bool) -> None:
+    """Caffe LMDB of Datum records (convert_imageset): keys, order and labels kept; images HWC."""
+    from ..importers.caffe import import_caffe as run
+
+    _report(run(src_lmdb, dataset, keep_encoded=keep_encoded, shard_size=shard_size,
+                compress=not no_compress), as_json)
+
+
+@click.command()
+@click.option("--dir", "workdir", type=click.Path(file_okay=False), help="Where to build (default: a temp dir).")
+@click.option("--keep", is_flag=True, help="Keep the datasets instead of deleting them.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def demo(workdir: str | None, keep: bool, as_json: bool) -> None:
+    """Build small datasets from real images bundled with scikit-learn and read them back fast."""
+    from ..demo import run_demo
+
+    run_demo(workdir, keep=keep, as_json=as_json)  # run_demo prints its own table or JSON
+
+
+COMMANDS: tuple[click.Command, ...] = (import_group, demo)
