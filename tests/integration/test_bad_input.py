@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -24,8 +24,7 @@ import pytest
 import kvdata
 from kvdata.errors import InvalidValueError
 
-if TYPE_CHECKING:
-    from conftest import Cli
+from helpers.cli import Cli
 
 READ_COMMANDS = ["get", "ls", "info", "verify"]
 

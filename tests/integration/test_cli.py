@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -17,8 +17,7 @@ from PIL import Image
 
 import kvdata
 
-if TYPE_CHECKING:
-    from conftest import Cli
+from helpers.cli import Cli
 
 COMMANDS = [
     [], ["put"], ["get"], ["ls"], ["info"], ["rm"], ["verify"], ["reindex"],

@@ -9,7 +9,6 @@ equal the journal's state exactly. The harness and the checker live in tests/cra
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,7 @@ import pytest
 import kvdata
 from kvdata.reader.open import verify
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import crash_check as cc  # noqa: E402
+import crash_check as cc  # tests/crash_check.py (shared with bench/crash_kill.py); tests/ is on sys.path
 
 KILLS = 20
 SEED = 20240601

@@ -2,7 +2,8 @@
 by dead clients, observability, crashes, hostile clients, failing tiers and watched homes.
 
 Every test starts its own daemon (`kvdatad --config ... --socket ...`) in a short temp
-directory; readers and the CLI are subprocesses too. Fixtures: daemon_fixtures.py.
+directory; readers and the CLI are subprocesses too. Fixture `kit`: tests/integration/conftest.py
+(helpers.daemon.Kit).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import kvdata
 from kvdata.protocol import MAX_FRAME, TYPES, Client
 from kvdata.tiers.push import push
 
-from daemon_fixtures import (Kit, Raw, assert_error_reply, build_dataset, finish, free_port, kit, manifest,  # noqa: F401
-                             same, snapshot, tier_files, wait_for)
+from helpers.daemon import (Kit, Raw, assert_error_reply, build_dataset, finish, free_port, manifest, same, snapshot,
+                            tier_files, wait_for)
 
 
 # ------------------------------------------------------------------ helpers

@@ -1,6 +1,7 @@
 """Tiers and staging against real servers: moto's S3 server and nginx on 127.0.0.1.
 
-Every home here is a real protocol endpoint started by the fixtures in servers.py
+Every home here is a real protocol endpoint started by the fixtures s3_server and
+nginx_home (tests/integration/conftest.py, helpers/servers.py)
 (a subprocess on a free loopback port, stopped after the module): staging,
 content-addressed sharing, eviction order, checksum mismatches at the home, a
 budget below one shard, a copy deleted under a running reader, and stagers
@@ -32,16 +33,15 @@ from kvdata.tiers.engine import Engine
 from kvdata.errors import ChecksumMismatchError
 from kvdata.tiers.tier import Tier
 
-from servers import (  # noqa: F401  (fixtures are found by name in this module)
+from helpers.cli import Cli
+from helpers.servers import (
     NginxHome,
     S3Server,
     build_dataset,
-    nginx_home,
     publish_http,
     push_local,
     push_s3,
     records,
-    s3_server,
     sample,
     tiers_config,
     wait_idle,
@@ -189,7 +189,7 @@ def test_torch_dataset_and_loader_read_remote_homes(homes: Homes, tmp_path: Path
 
 
 @pytest.mark.parametrize("kind", ["s3", "http"])
-def test_cli_reads_remote_homes(kind: str, homes: Homes, cli: Any, tmp_path: Path,
+def test_cli_reads_remote_homes(kind: str, homes: Homes, cli: Cli, tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     src = homes.src
     url = homes.urls[kind]
@@ -212,7 +212,7 @@ def test_cli_reads_remote_homes(kind: str, homes: Homes, cli: Any, tmp_path: Pat
 
 
 @pytest.mark.parametrize("kind", ["s3", "http"])
-def test_cli_ls_remote_homes(kind: str, homes: Homes, cli: Any, tmp_path: Path,
+def test_cli_ls_remote_homes(kind: str, homes: Homes, cli: Cli, tmp_path: Path,
                              monkeypatch: pytest.MonkeyPatch) -> None:
     src = homes.src
     url = homes.urls[kind]
@@ -369,7 +369,7 @@ def _flipped_zst(homes: Homes, url: str, name: str) -> bytes:
     ("http", "corrupt-zst"),
 ])
 def test_checksum_mismatch_at_the_home_is_never_served(kind: str, damage: str, homes: Homes, tmp_path: Path,
-                                                       cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
     src = homes.src
     bad = 5
     entry = src.entries[bad]
@@ -415,7 +415,7 @@ def test_checksum_mismatch_at_the_home_is_never_served(kind: str, damage: str, h
 # ------------------------------------------------------------------ budgets
 
 
-def test_budget_below_one_shard_is_refused(homes: Homes, tmp_path: Path, cli: Any,
+def test_budget_below_one_shard_is_refused(homes: Homes, tmp_path: Path, cli: Cli,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     src = homes.src
     small = src.largest - 1
@@ -584,7 +584,7 @@ def _kill_stager(argv: list[str], env: dict[str, str], shards: Path, delay: floa
 
 
 @pytest.mark.slow
-def test_sigkilled_staging_leaves_no_partial_file_and_resumes(homes: Homes, tmp_path: Path, cli: Any,
+def test_sigkilled_staging_leaves_no_partial_file_and_resumes(homes: Homes, tmp_path: Path, cli: Cli,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """20 stagers SIGKILLed at random moments mid-copy (alternating the S3 and HTTP homes of
     the same dataset): never a file under a real name that is not a verified copy; temp files

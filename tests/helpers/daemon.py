@@ -1,4 +1,5 @@
-"""Fixtures for the kvdatad tests: the daemon as a real subprocess, readers as real subprocesses.
+"""kvdatad as a real subprocess, readers as real subprocesses (fixture `kit` in
+tests/integration/conftest.py).
 
 Every process a test starts goes through `Kit.popen` (its own session, so a kill reaches
 its children) and is SIGKILLed in the fixture's teardown if it is still alive; the
@@ -7,8 +8,6 @@ that is removed afterwards, tmpfs mounts first.
 
 The reader subprocess is `reader_main` below, started with `python -c` so it imports
 the installed kvdata exactly like a training job would.
-
-Import the fixtures into the test module (`from daemon_fixtures import kit, ...`).
 """
 
 from __future__ import annotations
@@ -23,18 +22,18 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
-import pytest
 
 import kvdata
 from kvdata.protocol import HEADER, Client
 
-HERE = Path(__file__).resolve().parent
+from .common import free_port, wait_for  # noqa: F401  (re-exported for the daemon tests)
+
+TESTS = Path(__file__).resolve().parents[1]  # on sys.path, so `helpers` imports as a package
 BIN = Path(sys.executable).parent
 KVDATAD = str(BIN / "kvdatad")
 KVDATA = str(BIN / "kvdata")
@@ -42,8 +41,8 @@ SHARD_FILE = re.compile(r"^[0-9a-f]{64}\.mdb$")
 TEMP_FILE = re.compile(r"^\..+\.tmp$")
 _STRIP_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "KVDATA_SOCKET", "KVDATA_CONFIG", "LISTEN_FDS")
 
-READER_BOOT = (f"import sys; sys.path.insert(0, {str(HERE)!r}); "
-               "from daemon_fixtures import reader_main; sys.exit(reader_main(sys.argv[1:]))")
+READER_BOOT = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); "
+               "from helpers.daemon import reader_main; sys.exit(reader_main(sys.argv[1:]))")
 
 
 # ------------------------------------------------------------------ datasets
@@ -121,24 +120,6 @@ def snapshot(root: Path, skip: tuple[Path, ...] = ()) -> dict[str, tuple[int, in
     return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(cond: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll cond() until it returns something truthy; fail naming `what` after timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not within {timeout:.1f} s (last: {last!r})")
-
-
 # ------------------------------------------------------------------ raw protocol
 
 
@@ -192,7 +173,7 @@ class Raw:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "Raw":
+    def __enter__(self) -> Raw:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -215,7 +196,7 @@ def assert_error_reply(reply: Any, what: str = "") -> dict[str, Any]:
 class Daemon:
     """One kvdatad subprocess."""
 
-    def __init__(self, kit: "Kit", proc: subprocess.Popen[bytes], sock: Path, log: Path) -> None:
+    def __init__(self, kit: Kit, proc: subprocess.Popen[bytes], sock: Path, log: Path) -> None:
         self.kit, self.proc, self.sock, self.log = kit, proc, sock, log
 
     @property
@@ -231,7 +212,7 @@ class Daemon:
         except OSError:
             return ""
 
-    def wait_ready(self, timeout: float = 20.0) -> "Daemon":
+    def wait_ready(self, timeout: float = 20.0) -> Daemon:
         """Until the socket accepts a connection; fail with the daemon's log if it exits."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -275,7 +256,7 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
-            raise AssertionError(f"kvdatad did not exit within {timeout:.0f} s of SIGTERM:\n{self.log_text()[-3000:]}")
+            raise AssertionError(f"kvdatad did not exit within {timeout:.0f} s of SIGTERM:\n{self.log_text()[-3000:]}") from None
 
 
 class Kit:
@@ -378,16 +359,6 @@ class Kit:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-@pytest.fixture
-def kit() -> Iterator[Kit]:
-    root = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
-    k = Kit(root)
-    try:
-        yield k
-    finally:
-        k.cleanup()
-
-
 def finish(p: subprocess.Popen[bytes], timeout: float = 60) -> dict[str, Any]:
     """Wait for a reader subprocess; its JSON report (fails with its stderr if it failed)."""
     try:
@@ -395,7 +366,7 @@ def finish(p: subprocess.Popen[bytes], timeout: float = 60) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         p.kill()
         out, err = p.communicate()
-        raise AssertionError(f"reader did not finish within {timeout:.0f} s: {err.decode(errors='replace')[-3000:]}")
+        raise AssertionError(f"reader did not finish within {timeout:.0f} s: {err.decode(errors='replace')[-3000:]}") from None
     text = out.decode(errors="replace")
     assert p.returncode == 0, f"reader exited {p.returncode}:\n{err.decode(errors='replace')[-3000:]}\n{text[-1000:]}"
     return json.loads(text.strip().splitlines()[-1])

@@ -1,11 +1,9 @@
-"""Real servers for the tier tests: moto's S3 server and Debian's nginx, on 127.0.0.1.
+"""Real servers for the tier tests: moto's S3 server and Debian's nginx, on 127.0.0.1
+(fixtures `s3_server` and `nginx_home` in tests/integration/conftest.py).
 
-Each is a subprocess the fixture starts on a free loopback port with its own state
-under a temp directory, waits for, and stops after (terminate, then kill; no
-orphan). Nothing here talks to a real network or reads the user's AWS settings.
-
-Import the fixtures into a test module (`from servers import s3_server, ...`):
-pytest finds fixtures by name in the module that uses them.
+Each is a subprocess started on a free loopback port with its own state under a temp
+directory, waited for, and stopped after (terminate, then kill; no orphan). Nothing
+here talks to a real network or reads the user's AWS settings.
 """
 
 from __future__ import annotations
@@ -17,28 +15,26 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 import kvdata
-from kvdata.tiers.push import push
 from kvdata.config import Config, parse_config
+from kvdata.tiers.push import push
+
+from .common import free_port
 
 BUCKET = "kvdata-test"
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/bin/nginx")
 
 
 # ------------------------------------------------------------------ processes
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 20.0) -> None:
@@ -127,10 +123,10 @@ def s3_env(endpoint: str, state: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """moto's S3 server on 127.0.0.1 with one bucket; the AWS environment is set for the module's tests."""
-    state = tmp_path_factory.mktemp("moto")
+@contextmanager
+def running_s3_server(state: Path) -> Iterator[S3Server]:
+    """moto's S3 server on 127.0.0.1 with one bucket, its state in `state`; the AWS
+    environment of this process points at it while the context is open."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log = state / "moto.log"
@@ -194,16 +190,15 @@ http {{
 """
 
 
-@pytest.fixture(scope="module")
-def nginx_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NginxHome]:
-    """nginx serving a temp www directory on a free loopback port (skipped without nginx, except on CI)."""
+@contextmanager
+def running_nginx(root: Path) -> Iterator[NginxHome]:
+    """nginx serving `root`/www on a free loopback port (skips the test without nginx, except on CI)."""
     exe = find_nginx()
     if exe is None:
         msg = "nginx is not installed (Debian package `nginx`, installed by .ci/run)"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
-    root = tmp_path_factory.mktemp("nginx")
     www = root / "www"
     www.mkdir()
     (root / "tmp").mkdir()
