@@ -350,9 +350,12 @@ class Kit:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-            for stream in (p.stdout, p.stderr):
+            for stream in (p.stdin, p.stdout, p.stderr):
                 if stream is not None:
-                    stream.close()
+                    try:
+                        stream.close()
+                    except OSError:  # stdin: a pipe to a process that is gone (EPIPE on flush)
+                        pass
         for m in reversed(self.mounts):
             if subprocess.run(["umount", str(m)], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", str(m)], capture_output=True)

@@ -24,6 +24,7 @@ SEED = 20240601
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 20 kill cycles: ~20-30 s on 2 idle cores, far more on a loaded box
 def test_sigkilled_writer_keeps_every_returned_commit(tmp_path: Path) -> None:
     ds, journal = tmp_path / "ds", tmp_path / "ds.journal"
     cc.prepare(ds, journal)

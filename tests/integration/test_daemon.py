@@ -304,6 +304,7 @@ def test_metrics_endpoint_serves_prometheus_text(kit: Kit) -> None:
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/nope", timeout=10)
     assert e.value.code == 404
+    e.value.close()  # the error holds the response's socket
     assert d.terminate() == 0
 
 
@@ -323,6 +324,7 @@ def test_status_without_a_daemon_says_not_running(kit: Kit) -> None:
 # ------------------------------------------------------------------ 6a. crashes
 
 
+@pytest.mark.timeout(900)  # 20 kill cycles: ~20-30 s on 2 idle cores, far more on a loaded box
 def test_sigkill_during_staging_leaves_only_verified_copies(kit: Kit) -> None:
     home = build_dataset(kit.root / "big", n=64, shard_size="2MB", noise=512 << 10, compress=False)
     m = manifest(home)
