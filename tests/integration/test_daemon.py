@@ -719,13 +719,14 @@ def test_new_generation_at_a_watched_home_is_staged(kit: Kit) -> None:
 
 
 def test_home_changed_right_after_the_daemon_opened_it_is_noticed(kit: Kit) -> None:
+    """The daemon watches a home from its next once-a-second poll after opening it, and checks
+    the manifest when the watch starts: a commit that lands before the watch exists (a fast
+    machine) and one that lands after it (a slow one) must both be staged, so the test holds
+    whatever the timing (it used to skip itself when the commit came late)."""
     home = build_dataset(kit.root / "home", n=64)
     d = kit.daemon()  # its first poll for homes to watch comes 1 s after it listens
-    t0 = time.monotonic()
     d.request("stage", dataset=loc(home), wait=True)
     build_dataset(home, n=32, start=64, mode="a")
-    if time.monotonic() - t0 > 0.8:
-        pytest.skip("this machine was too slow to commit before the daemon's first watch poll")
     new = manifest(home)
     wait_for(lambda: d.tier("ram")["shards"] == len(new["shards"]), 4, "the new generation's shards staged")
 
