@@ -237,6 +237,7 @@ def test_staged_copies_are_named_by_sha256_verified_and_shared(homes: Homes, tmp
     cfg = tiers_config(tmp_path / "tiers", ("ssd", "8MB"))
     with open_dataset(homes.urls["s3"], config=cfg) as st:
         assert records(st) == src.ref
+        wait_idle(st.engine)  # a job that renamed its copy (already read) may still be counting it
         first = st.engine.status()
     assert first["shards_staged"] == 12 and first["bytes_from_home"] > 0
     names = tier_files(cfg)["ssd"]
@@ -470,9 +471,11 @@ def test_copy_deleted_under_a_running_reader(kind: str, homes: Homes, tmp_path: 
         for s in (1, 2, 3):  # the store drops shard 0's handle
             rng = sample_range(src, s)
             assert records(st, rng) == [src.ref[i] for i in rng]
+        wait_idle(eng)  # every job counted
         staged_before = eng.status()["shards_staged"]
         assert eng.evict([src.entries[1], src.entries[2]]) == 2  # no longer mapped: evictable
         assert records(st, first) == [src.ref[i] for i in first]  # re-staged
+        wait_idle(eng)
         assert path.exists() and eng.status()["shards_staged"] == staged_before + 1
         assert records(st) == src.ref
         check_tier_files(cfg)
