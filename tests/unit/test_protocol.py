@@ -41,7 +41,7 @@ def test_header_is_a_4_byte_big_endian_length() -> None:
     assert MAX_FRAME < 2**32
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(messages)
 def test_encode_is_a_header_and_the_msgpack_body(msg: dict[str, Any]) -> None:
     frame = encode(msg)
@@ -100,7 +100,7 @@ def test_any_bytes_decode_to_a_map_or_raise_protocol_error(body: bytes) -> None:
         assert isinstance(msg, dict)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(messages, st.data())
 def test_every_cut_of_a_valid_body_is_refused(msg: dict[str, Any], data: st.DataObject) -> None:
     body = encode(msg)[HEADER.size:]
