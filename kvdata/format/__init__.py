@@ -60,8 +60,10 @@ from .record import (
     encode_tombstone,
     field_schema,
     key_hash,
+    layout_plan,
     make_plan,
     merge_schema,
+    parse_meta,
     record_crc_ok,
     slot_key,
     slot_of,
@@ -75,6 +77,6 @@ __all__ = [
     "POS_DTYPE", "PREFIX", "PREFIX_HEAD", "PREFIX_LAYOUT_LEN", "PREFIX_META_LEN", "PREFIX_SIZE",
     "RECORD_DTYPE", "RECORD_VERSION", "SAMPLE_DTYPE", "SCALAR_TYPES", "UNKNOWN_OFFSET", "Plan",
     "RecordHeader", "check_key", "decode_fields", "decode_plan", "encode_record", "encode_tombstone",
-    "field_schema", "key_hash", "make_plan", "merge_schema", "record_crc_ok", "slot_key", "slot_of",
+    "field_schema", "key_hash", "layout_plan", "make_plan", "merge_schema", "parse_meta", "record_crc_ok", "slot_key", "slot_of",
     "shard_name", "tail_name", "InvalidKeyError",
 ]

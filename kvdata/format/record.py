@@ -229,78 +229,176 @@ def _layout_of(key: str, fields: Mapping[Any, Any]) -> tuple[list, list[memoryvi
 
 
 class RecordHeader:
-    """The parsed prefix (and, on demand, layout and meta) of one record."""
+    """The parsed prefix (and, on demand, layout and meta) of one record.
+
+    Records come from shard files, which may be damaged: every length is checked against
+    the buffer, and layout() / meta() validate what they decode, raising
+    CorruptDatasetError (never a msgpack, struct or unicode error)."""
 
     __slots__ = ("kind", "head", "layout_len", "meta_len", "crc")
 
     def __init__(self, buf: Any) -> None:
         if len(buf) < PREFIX_SIZE:
-            raise CorruptDatasetError("record shorter than its header")
+            raise CorruptDatasetError(f"record of {len(buf)} bytes is shorter than its header; run `kvdata verify`")
         magic, kind, version, _flags, head, ll, ml, crc = PREFIX.unpack_from(buf, 0)
         if magic != MAGIC or kind > KIND_TOMBSTONE or version > RECORD_VERSION:
-            raise CorruptDatasetError("record header is damaged (bad magic/kind/version)")
+            raise CorruptDatasetError("record header is damaged (bad magic/kind/version); run `kvdata verify`")
         if head < PREFIX_SIZE + ll + ml or head > len(buf):
-            raise CorruptDatasetError("record header is damaged (bad lengths)")
+            raise CorruptDatasetError("record header is damaged (bad lengths); run `kvdata verify`")
         self.kind, self.head, self.layout_len, self.meta_len, self.crc = kind, head, ll, ml, crc
 
     def layout(self, buf: Any) -> list:
+        """The record's field layout, validated (an empty list for raw records and tombstones)."""
         if not self.layout_len:
             return []
-        return msgpack.unpackb(buf[PREFIX_SIZE:PREFIX_SIZE + self.layout_len], raw=False)
+        return [list(e[:5]) for e in _check_layout(_unpack(buf[PREFIX_SIZE:PREFIX_SIZE + self.layout_len], "layout"))]
 
     def meta(self, buf: Any) -> dict:
+        """{"k": key, "l": label (optional), ...}, validated."""
         s = PREFIX_SIZE + self.layout_len
-        return msgpack.unpackb(buf[s:s + self.meta_len], raw=False)
+        return parse_meta(buf[s:s + self.meta_len])
+
+
+def _damaged(what: str) -> CorruptDatasetError:
+    return CorruptDatasetError(f"record {what}; run `kvdata verify`")
+
+
+def _unpack(b: Any, what: str) -> Any:
+    """msgpack from a record, or CorruptDatasetError (msgpack raises many unrelated types on garbage)."""
+    try:
+        return msgpack.unpackb(b, raw=False)
+    except Exception as e:
+        raise _damaged(f"{what} is not valid msgpack ({e.__class__.__name__})") from None
+
+
+def parse_meta(b: Any) -> dict[str, Any]:
+    """A record's meta map from its msgpack bytes: "k" a str key, "l" (optional) an int64 label."""
+    meta = _unpack(b, "meta")
+    if not isinstance(meta, dict) or not isinstance(meta.get("k"), str):
+        raise _damaged("meta is damaged (no key)")
+    label = meta.get("l")
+    if label is not None and (isinstance(label, bool) or not isinstance(label, int)
+                              or not -(1 << 63) < label < (1 << 63)):
+        raise _damaged(f"meta of key {meta['k'][:80]!r} is damaged (label is not an int64)")
+    return meta
 
 
 def record_crc_ok(buf: Any) -> bool:
-    """True when the crc32 stored in the record matches its bytes."""
+    """True when the crc32 stored in the record matches its bytes (False for a record shorter than its header)."""
     mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    if mv.nbytes < PREFIX_SIZE:
+        return False
     stored = struct.unpack_from("<I", mv, PREFIX_SIZE - 4)[0]
     return zlib.crc32(mv[PREFIX_SIZE:], zlib.crc32(mv[:PREFIX_SIZE - 4])) == stored
 
 
 Plan = tuple  # tuple of (name, kind, dtype | None, shape, offset, nbytes) per field
 
+MAX_NDIM = 32
+_SCALAR_BYTES = {F_INT: 8, F_UINT: 8, F_FLOAT: 8, F_BOOL: 1, F_NONE: 0}
+
+
+def _nonneg(v: Any, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= hi
+
+
+def _check_layout(layout: Any) -> list[tuple[str, str, Any, int, int, int, Any]]:
+    """(name, code, shape, offset, nbytes, field kind, dtype) of every field of a layout
+    read from a record; CorruptDatasetError naming the first field that cannot be decoded."""
+    if not isinstance(layout, (list, tuple)):
+        raise _damaged("layout is damaged (not a list of fields)")
+    out = []
+    for entry in layout:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 5:
+            raise _damaged("layout is damaged (a field entry is not [name, code, shape, offset, nbytes])")
+        name, code, shape, off, nbytes = entry
+        if not isinstance(name, str) or not name or not isinstance(code, str):
+            raise _damaged("layout is damaged (a field name or type code is not a string)")
+        if not _nonneg(off, 0xFFFFFFFF) or not _nonneg(nbytes, 0xFFFFFFFF):
+            raise _damaged(f"layout is damaged (field {name[:80]!r} has a bad offset or size)")
+        dt = None
+        if code == "bytes":
+            kind = F_BYTES
+        elif code == "str":
+            kind = F_STR
+        elif code in _SCALAR_CODES:
+            kind = _SCALAR_CODES[code]
+            if nbytes != _SCALAR_BYTES[kind]:
+                raise _damaged(f"layout is damaged (field {name[:80]!r}: a {code} of {nbytes} bytes)")
+        else:
+            kind = F_ARRAY
+            dt = _array_dtype(code)
+            if dt is None or not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM \
+                    or not all(_nonneg(d, 0xFFFFFFFF) for d in shape):
+                raise _damaged(f"layout is damaged (field {name[:80]!r}: dtype {code[:40]!r}, shape {type(shape).__name__})")
+            count = 1
+            for d in shape:
+                count *= d
+            if count * dt.itemsize != nbytes:
+                raise _damaged(f"layout is damaged (field {name[:80]!r}: shape {list(shape)} of {code} is not {nbytes} bytes)")
+            shape = tuple(shape)
+        if kind != F_ARRAY and shape is not None:
+            raise _damaged(f"layout is damaged (field {name[:80]!r}: a {code} with a shape)")
+        out.append((name, code, shape, off, nbytes, kind, dt))
+    return out
+
+
+def _array_dtype(code: str) -> np.dtype | None:
+    """The numpy dtype a layout code names, if it is one a writer stores (a plain number type in
+    its canonical `dtype.str` spelling); None otherwise."""
+    if len(code) > 8:
+        return None
+    try:
+        dt = np.dtype(code)
+    except (TypeError, ValueError, SyntaxError):
+        return None
+    if dt.kind not in _ARRAY_KINDS or dt.fields is not None or dt.subdtype is not None or dt.str != code:
+        return None
+    return dt
+
 
 def make_plan(layout: list) -> Plan:
-    """Precompiled decoding steps for one layout (dtypes built once, not per record)."""
-    steps: list[tuple[Any, ...]] = []
-    for name, code, shape, off, nbytes in layout:
-        if code == "bytes":
-            steps.append((name, F_BYTES, None, None, off, nbytes))
-        elif code == "str":
-            steps.append((name, F_STR, None, None, off, nbytes))
-        elif code in _SCALAR_CODES:
-            steps.append((name, _SCALAR_CODES[code], None, None, off, nbytes))
-        else:
-            dt = np.dtype(code)
-            steps.append((name, F_ARRAY, _U1 if dt == _U1 else dt, tuple(shape), off, nbytes))
-    return tuple(steps)
+    """Precompiled decoding steps for one layout (dtypes built once, not per record); the layout
+    is validated (CorruptDatasetError), so decode_plan only has to bound it by the record."""
+    return tuple((name, kind, (_U1 if dt == _U1 else dt) if kind == F_ARRAY else None, shape, off, nbytes)
+                 for name, _code, shape, off, nbytes, kind, dt in _check_layout(layout))
 
 
-def decode_plan(plan: Plan, u8: np.ndarray, mv: Any, base: int, copy: bool) -> dict[str, Any]:
-    """Fields of a record whose payload starts at u8[base]; arrays are views unless copy."""
+def layout_plan(layout_bytes: bytes) -> Plan:
+    """The decoding plan of a record's msgpack layout bytes."""
+    return make_plan(_unpack(layout_bytes, "layout"))
+
+
+def decode_plan(plan: Plan, u8: np.ndarray, mv: Any, base: int, copy: bool, end: int | None = None) -> dict[str, Any]:
+    """Fields of a record whose payload starts at u8[base] and ends before u8[end] (default: the
+    buffer's end); arrays are views unless copy. A field past `end` raises CorruptDatasetError."""
+    if end is None:
+        end = len(u8)
     out: dict[str, Any] = {}
-    for name, kind, dt, shape, off, n in plan:
-        a = base + off
-        if kind == F_ARRAY:
-            arr = u8[a:a + n].reshape(shape) if dt is _U1 else u8[a:a + n].view(dt).reshape(shape)
-            out[name] = arr.copy() if copy else arr
-        elif kind == F_INT:
-            out[name] = _I8.unpack_from(mv, a)[0]
-        elif kind == F_FLOAT:
-            out[name] = _F8.unpack_from(mv, a)[0]
-        elif kind == F_BYTES:
-            out[name] = bytes(mv[a:a + n]) if copy else mv[a:a + n]
-        elif kind == F_STR:
-            out[name] = bytes(mv[a:a + n]).decode("utf-8")
-        elif kind == F_BOOL:
-            out[name] = mv[a] != 0
-        elif kind == F_UINT:
-            out[name] = _U8.unpack_from(mv, a)[0]
-        else:
-            out[name] = None
+    try:
+        for name, kind, dt, shape, off, n in plan:
+            a = base + off
+            if a + n > end:
+                raise _damaged(f"field {name[:80]!r} runs past the end of its record")
+            if kind == F_ARRAY:
+                arr = u8[a:a + n].reshape(shape) if dt is _U1 else u8[a:a + n].view(dt).reshape(shape)
+                out[name] = arr.copy() if copy else arr
+            elif kind == F_INT:
+                out[name] = _I8.unpack_from(mv, a)[0]
+            elif kind == F_FLOAT:
+                out[name] = _F8.unpack_from(mv, a)[0]
+            elif kind == F_BYTES:
+                out[name] = bytes(mv[a:a + n]) if copy else mv[a:a + n]
+            elif kind == F_STR:
+                out[name] = bytes(mv[a:a + n]).decode("utf-8")
+            elif kind == F_BOOL:
+                out[name] = mv[a] != 0
+            elif kind == F_UINT:
+                out[name] = _U8.unpack_from(mv, a)[0]
+            else:
+                out[name] = None
+    except UnicodeDecodeError:
+        raise _damaged(f"field {name[:80]!r} is not valid UTF-8") from None
     return out
 
 

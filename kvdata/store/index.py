@@ -17,6 +17,7 @@ The index is derived state: ``rebuild.py`` recreates it from the shards alone.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -35,19 +36,31 @@ def load_array(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     """A read-only memmap of the first `count` rows of `path`."""
     if count == 0:
         return np.zeros(0, dtype=dtype)
-    size = os.path.getsize(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:  # load_generation retries (a commit may have replaced it) or names it
+        raise
+    except OSError as e:  # a symlink loop, a path through a file, ...
+        raise _corrupt(path, f"cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _corrupt(path, "is not a regular file")
+    size = st.st_size
     if size < count * dtype.itemsize:
         raise _corrupt(path, f"is truncated ({size} bytes, {count * dtype.itemsize} expected)")
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
 class KeyRun:
-    __slots__ = ("hashes", "pos")
+    __slots__ = ("path", "hashes", "pos")
 
     def __init__(self, path: Path, count: int) -> None:
         arr = load_array(path, fmt.HASH_DTYPE, 2 * count)
+        self.path = path
         self.hashes = arr[:count]
         self.pos = arr[count:]
+
+    def bad_position(self, count: int) -> CorruptDatasetError:
+        return _corrupt(self.path, f"holds a sample position past the {count} samples")
 
 
 class Index:
@@ -56,18 +69,22 @@ class Index:
     def __init__(self, index_dir: Path, manifest: Manifest) -> None:
         idx = manifest.index
         self.count = manifest.count
+        if (self.count and not idx.samples) or (idx.records_count and not idx.records):
+            raise CorruptDatasetError(f"{index_dir.parent / names.MANIFEST}: counts samples or records but names no "
+                                      f"index file for them; run `kvdata reindex {index_dir.parent}`")
         self.samples = load_array(index_dir / idx.samples, fmt.SAMPLE_DTYPE, self.count) \
             if idx.samples else np.zeros(0, fmt.SAMPLE_DTYPE)
         self.records_count = idx.records_count
         self.records = load_array(index_dir / idx.records, fmt.RECORD_DTYPE, self.records_count) \
             if idx.records else np.zeros(0, fmt.RECORD_DTYPE)
         self.runs = [KeyRun(index_dir / r.name, r.count) for r in idx.keys]
+        total = sum(s.records for s in manifest.shards)  # Python ints: a hostile manifest cannot overflow it
+        if total != self.records_count:
+            raise _corrupt(index_dir / (idx.records or "records"),
+                           f"has {self.records_count} rows but the shards hold {total}")
         shard_records = np.array([s.records for s in manifest.shards], dtype=np.int64)
         self.base = np.zeros(len(shard_records) + 1, dtype=np.int64)
         np.cumsum(shard_records, out=self.base[1:])
-        if self.base[-1] != self.records_count:
-            raise _corrupt(index_dir / (idx.records or "records"),
-                           f"has {self.records_count} rows but the shards hold {int(self.base[-1])}")
         self.n_sealed = len(shard_records)
         self.tail_records = manifest.tail.records
         self.shard_bytes = np.array([s.bytes for s in manifest.shards] + [0], dtype=np.int64)
@@ -80,7 +97,10 @@ class Index:
             lo = int(np.searchsorted(run.hashes, hv, "left"))
             if lo < len(run.hashes) and run.hashes[lo] == hv:
                 hi = int(np.searchsorted(run.hashes, hv, "right"))
-                out.extend(int(p) for p in run.pos[lo:hi])
+                found = [int(p) for p in run.pos[lo:hi]]
+                if any(p >= self.count for p in found):
+                    raise run.bad_position(self.count)
+                out.extend(found)
         return out
 
     def candidates_many(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,6 +120,8 @@ class Index:
             qi = np.nonzero(hit)[0]
             for q, a, b in zip(qi.tolist(), lo[hit].tolist(), hi.tolist()):
                 for p in run.pos[a:b].tolist():
+                    if p >= self.count:
+                        raise run.bad_position(self.count)
                     qs.append(q)
                     ps.append(p)
         return np.array(qs, dtype=np.int64), np.array(ps, dtype=np.int64)
@@ -174,6 +196,8 @@ def all_key_hashes(index: Index) -> np.ndarray:
     """hash of every sample position, gathered from the runs (for rewrites)."""
     out = np.zeros(index.count, dtype=np.uint64)
     for run in index.runs:
+        if len(run.pos) and int(run.pos.max()) >= index.count:
+            raise run.bad_position(index.count)
         out[np.asarray(run.pos, dtype=np.int64)] = run.hashes
     return out
 

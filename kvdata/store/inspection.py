@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import format as fmt
+from ..errors import CorruptDatasetError
 from .reader import Reader
 
 KEYS_CHUNK = 4096
@@ -62,6 +63,9 @@ def record_info(reader: Reader, index: int) -> dict[str, Any]:
     shard, slot, _rec = reader.gen.index.resolve(np.array([pos]))
     kind, meta = reader.metas([pos])[0]
     value = reader.get_many([pos])[0]
+    if kind not in (fmt.KIND_RAW, fmt.KIND_FIELDS) or (kind == fmt.KIND_FIELDS) != isinstance(value, dict):
+        raise CorruptDatasetError(f"{reader.root}: the record of sample {pos} is not of the kind the side-index says; "
+                                  f"run `kvdata reindex {reader.root}`")
     info: dict[str, Any] = {"key": meta["k"], "index": pos, "shard": int(shard[0]), "slot": int(slot[0]),
                             "label": meta.get("l"), "kind": "bytes" if kind == fmt.KIND_RAW else "fields"}
     if kind == fmt.KIND_RAW:

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-import msgpack
+import lmdb
 import numpy as np
 
 from .. import format as fmt
 from .._util.libc import pages_resident
 from ..errors import CorruptDatasetError, InvalidKeyError, MissingShardError
-from ..format import ShardEntry
+from ..format import ShardEntry, names
 from .generation import Generation, read_manifest
 from .shards import ENVS, SealedShard, open_tail_for_read
 from .source import ShardSource
@@ -118,12 +121,11 @@ class Reader:
             unknown = r["offset"] == fmt.UNKNOWN_OFFSET
             if unknown.any():  # shards sealed where offsets could not be learned: read through LMDB
                 for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
-                    out[j] = self.decode_value(self._handle(s).lmdb_value(sl), copy)
+                    h = self._handle(s)
+                    out[j] = self._decode_at(h.path, sl, _lmdb_value(h, sl), copy)
                 where, sh, r = where[~unknown], sh[~unknown], r[~unknown]
             hk = r["head_kind"]
-            ends = r["offset"].astype(np.int64) + (hk & _HEAD_MASK) + r["size"]
-            if (ends > index.shard_bytes[sh]).any():
-                raise CorruptDatasetError(f"{self.root}: side-index offsets run past a shard's end; run `kvdata reindex`")
+            self._check_rows(pos[where], sh, r, hk)
             if self.max_open is not None:
                 self._touch(np.unique(sh).tolist())
             if self._readahead:
@@ -139,16 +141,45 @@ class Reader:
                 if hk_ >> _KIND_SHIFT == fmt.KIND_RAW:
                     a = off + head
                     out[j] = h.mv[a:a + size] if not copy else h.mm[a:a + size]
-                else:
+                    continue
+                try:
+                    pre = unpack(h.mv, off)
+                    if pre[0] != fmt.MAGIC or pre[1] != fmt.KIND_FIELDS or pre[fmt.PREFIX_HEAD] != head \
+                            or fmt.PREFIX_SIZE + pre[fmt.PREFIX_LAYOUT_LEN] > head:
+                        raise CorruptDatasetError("the record there does not match the side-index; run `kvdata verify`")
                     a = off + fmt.PREFIX_SIZE
-                    lb = h.mm[a:a + unpack(h.mv, off)[fmt.PREFIX_LAYOUT_LEN]]
+                    lb = h.mm[a:a + pre[fmt.PREFIX_LAYOUT_LEN]]
                     plan = plans.get(lb) or self._plan(lb)
-                    out[j] = decode(plan, h.u8, h.mv, off + head, copy)
+                    out[j] = decode(plan, h.u8, h.mv, off + head, copy, off + head + size)
+                except CorruptDatasetError as e:
+                    raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
         if not all_sealed:
             tail_at = np.nonzero(~sealed)[0]
-            for j, v in zip(tail_at.tolist(), self.tail_values(slot[tail_at].tolist())):
-                out[j] = self.decode_value(v, copy)
+            for j, sl, v in zip(tail_at.tolist(), slot[tail_at].tolist(), self.tail_values(slot[tail_at].tolist())):
+                out[j] = self._decode_at(self.gen.tail_path, sl, v, copy)
         return out
+
+    def _check_rows(self, pos: np.ndarray, sh: np.ndarray, r: np.ndarray, hk: np.ndarray) -> None:
+        """Side-index rows of sealed records must lie inside their shard and name a record kind a
+        sample can have (raw or fields), before any offset is used to slice a map."""
+        if not len(r):
+            return
+        index = self.gen.index
+        off = r["offset"]
+        head = hk & _HEAD_MASK
+        kind = hk >> _KIND_SHIFT
+        limit = index.shard_bytes[sh]
+        bad = (off > limit.astype(np.uint64)) | (head < fmt.PREFIX_SIZE) \
+            | ((kind != fmt.KIND_RAW) & (kind != fmt.KIND_FIELDS))
+        if not bad.any():
+            bad = off.astype(np.int64) + head + r["size"] > limit
+            if not bad.any():
+                return
+        i = int(np.nonzero(bad)[0][0])
+        where = self.root / names.INDEX_DIR / str(self.gen.manifest.index.records)
+        raise CorruptDatasetError(
+            f"index file {where}: the row of sample {int(pos[i])} (shard {int(sh[i])}) is damaged (offset past the "
+            f"shard's end, or a bad head or kind); run `kvdata reindex {self.root}`")
 
     def get_batch(self, indices: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None,
                   alloc: Alloc | None = None) -> Any:
@@ -202,16 +233,25 @@ class Reader:
         """Decoding plan of a layout, cached: records of equal shapes share one."""
         if len(self._plans) >= PLAN_CACHE_MAX:
             self._plans.clear()
-        plan = self._plans[layout_bytes] = fmt.make_plan(msgpack.unpackb(layout_bytes))
+        plan = self._plans[layout_bytes] = fmt.layout_plan(layout_bytes)
         return plan
 
     def decode_value(self, v: bytes, copy: bool) -> Any:
-        """A record from its LMDB value bytes (tail records, shards without offsets)."""
+        """A record from its LMDB value bytes (tail records, shards without offsets); a damaged
+        record, or a tombstone where a sample should be, raises CorruptDatasetError."""
         h = fmt.RecordHeader(v)
         if h.kind == fmt.KIND_RAW:
             return bytes(v[h.head:]) if copy else memoryview(v)[h.head:]
+        if h.kind != fmt.KIND_FIELDS:
+            raise CorruptDatasetError("a sample points at a deleted record; run `kvdata reindex`")
         plan = self._plan(bytes(v[fmt.PREFIX_SIZE:fmt.PREFIX_SIZE + h.layout_len]))
         return fmt.decode_plan(plan, np.frombuffer(v, np.uint8), memoryview(v), h.head, copy)
+
+    def _decode_at(self, path: Path, slot: int, v: bytes, copy: bool) -> Any:
+        try:
+            return self.decode_value(v, copy)
+        except CorruptDatasetError as e:
+            raise CorruptDatasetError(f"{path}, slot {slot}: {e}") from None
 
     def _handle(self, shard_id: int) -> SealedShard:
         """The mapped handle of a sealed shard, mapping it now if needed."""
@@ -232,28 +272,40 @@ class Reader:
         env = self._open_tail()
         if env is None:  # the tail was sealed since we loaded: same slots, now a sealed file
             h = self._sealed_former_tail()
-            return [h.lmdb_value(s) for s in slots]
+            return [_lmdb_value(h, s) for s in slots]
         out = []
-        with ENVS.read(env) as txn:
-            for s in slots:
-                v = txn.get(fmt.slot_key(s))
-                if v is None:
-                    raise CorruptDatasetError(f"{self.root}: tail record {s} is missing; run `kvdata verify`")
-                out.append(v)
+        try:
+            with ENVS.read(env) as txn:
+                for s in slots:
+                    v = txn.get(fmt.slot_key(s))
+                    if v is None:
+                        raise CorruptDatasetError(f"{self.root}: tail record {s} is missing; run `kvdata verify`")
+                    out.append(v)
+        except lmdb.Error as e:
+            raise _lmdb_error(self.gen.tail_path, e) from None
         return out
 
     def _open_tail(self) -> Any:
         if self._tail_env is None:
+            path = self.gen.tail_path
             try:
-                self._tail_env = open_tail_for_read(self.gen.tail_path, self.gen.manifest.shard_size)
+                check_lmdb_file(path)
+                self._tail_env = open_tail_for_read(path, self.gen.manifest.shard_size)
             except FileNotFoundError:
                 return None
+            except lmdb.Error as e:
+                raise _lmdb_error(path, e) from None
         return self._tail_env
 
     def _map_shard(self, entry: ShardEntry) -> SealedShard:
         """Map the fastest complete copy; if a staged copy vanishes before we map it, look again."""
         if self.source is None:
-            return SealedShard(self.gen.shard_path(entry), entry.bytes)
+            path = self.gen.shard_path(entry)
+            try:
+                return SealedShard(path, entry.bytes)
+            except OSError as e:  # (a missing file is MissingShardError) a symlink loop, a directory, ...
+                raise CorruptDatasetError(f"shard {path} cannot be read ({e.strerror or e}); restore it and run "
+                                          "`kvdata verify`") from None
         for attempt in range(LOCATE_ATTEMPTS):
             path, staged = self.source.locate(entry)
             try:
@@ -290,18 +342,31 @@ class Reader:
                 continue
             h = self._handles[s] or self._handle(s)
             if off == int(fmt.UNKNOWN_OFFSET):
-                v = h.lmdb_value(int(slot[j]))
-                hd = fmt.RecordHeader(v)
-                out[j] = (hd.kind, hd.meta(v))
+                sl = int(slot[j])
+                v = _lmdb_value(h, sl)
+                try:
+                    hd = fmt.RecordHeader(v)
+                    out[j] = (hd.kind, hd.meta(v))
+                except CorruptDatasetError as e:
+                    raise CorruptDatasetError(f"{h.path}, slot {sl}: {e}") from None
                 continue
             if off + fmt.PREFIX_SIZE > len(h.mv):
-                raise CorruptDatasetError(f"{self.root}: side-index offsets run past a shard's end; run `kvdata reindex`")
-            hd = fmt.RecordHeader(h.mv[off:off + fmt.MAX_HEAD + 1])
-            out[j] = (hd.kind, _meta(h.mv, off, hd))
+                raise CorruptDatasetError(f"index file {self.root / names.INDEX_DIR / str(self.gen.manifest.index.records)}: "
+                                          f"the row of sample {int(pos[j])} points past the end of shard {h.path}; "
+                                          f"run `kvdata reindex {self.root}`")
+            try:
+                buf = h.mv[off:off + fmt.MAX_HEAD + 1]
+                hd = fmt.RecordHeader(buf)
+                out[j] = (hd.kind, hd.meta(buf))
+            except CorruptDatasetError as e:
+                raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
         if tail_at:
             for j, v in zip(tail_at, self.tail_values([int(slot[j]) for j in tail_at])):
-                hd = fmt.RecordHeader(v)
-                out[j] = (hd.kind, hd.meta(v))
+                try:
+                    hd = fmt.RecordHeader(v)
+                    out[j] = (hd.kind, hd.meta(v))
+                except CorruptDatasetError as e:
+                    raise CorruptDatasetError(f"{self.gen.tail_path}, slot {int(slot[j])}: {e}") from None
         return out
 
     def find(self, key: str | bytes) -> int | None:
@@ -321,13 +386,49 @@ class Reader:
             return False
 
 
-def _meta(mv: memoryview, off: int, hd: fmt.RecordHeader) -> dict[str, Any]:
-    s0 = off + fmt.PREFIX_SIZE + hd.layout_len
-    try:
-        meta = msgpack.unpackb(mv[s0:s0 + hd.meta_len])
-    except (ValueError, msgpack.ExtraData) as e:
-        raise CorruptDatasetError(f"record header at offset {off} is damaged ({e}); run `kvdata verify`") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("k"), str):
-        raise CorruptDatasetError(f"record header at offset {off} is damaged; run `kvdata verify`")
-    return meta
+def _lmdb_error(path: Path, e: Exception) -> CorruptDatasetError:
+    reason = (str(e).splitlines() or [""])[0].removeprefix(f"{path}: ") or type(e).__name__
+    return CorruptDatasetError(f"{path}: LMDB cannot read it ({reason}); restore it from a copy and run `kvdata verify`")
 
+
+def _lmdb_value(h: SealedShard, slot: int) -> bytes:
+    """A sealed record read through LMDB (shards whose offsets are unknown); LMDB errors become
+    CorruptDatasetError."""
+    try:
+        return h.lmdb_value(slot)
+    except lmdb.Error as e:
+        raise _lmdb_error(h.path, e) from None
+
+
+_LMDB_MAGIC = 0xBEEFC0DE
+_LMDB_META = struct.Struct("<II16x I 92x QQ")  # magic, version, page size (free db's md_pad), last page, txnid
+
+
+def check_lmdb_file(path: Path) -> None:
+    """CorruptDatasetError unless `path` can be handed to LMDB: not a symbolic link (LMDB would put
+    its lock file, and its reader slots, beside the link's target, outside the dataset), and not
+    shorter than its newest meta page says (LMDB maps it whole and would die of SIGBUS on the
+    first page past the end; the metas are read before the size, so a writer growing the file
+    meanwhile never makes it look short). FileNotFoundError if it is missing."""
+    if path.is_symlink():
+        raise CorruptDatasetError(f"{path} is a symbolic link, not a file of the dataset; remove it and run "
+                                  "`kvdata verify`")
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise CorruptDatasetError(f"{path} is not a regular file; remove it and run `kvdata verify`")
+    with open(path, "rb") as f:
+        head = f.read((64 << 10) + 256)
+        size = os.fstat(f.fileno()).st_size
+    if len(head) < 16 + _LMDB_META.size:
+        return
+    psize = _LMDB_META.unpack_from(head, 16)[2]
+    if psize & (psize - 1) or not 512 <= psize <= 65536:
+        return  # not a page size: LMDB itself refuses the file
+    best: tuple[int, int] | None = None  # (txnid, bytes needed) of the newest valid meta
+    for at in (0, psize):
+        if len(head) >= at + 16 + _LMDB_META.size:
+            magic, _version, _ps, last_pg, txnid = _LMDB_META.unpack_from(head, at + 16)
+            if magic == _LMDB_MAGIC and (best is None or txnid > best[0]):
+                best = (txnid, (last_pg + 1) * psize)
+    if best is not None and size < best[1]:
+        raise CorruptDatasetError(f"{path} is truncated ({size} bytes, its LMDB pages need {best[1]}); "
+                                  "restore it from a copy and run `kvdata verify`")

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import lmdb
 import numpy as np
 
 from .. import format as fmt
 from .._util.progress import progress as make_progress
-from ..errors import KVDataError
+from ..errors import CorruptDatasetError, KVDataError
 from ..format.codec import file_sha256
 from . import index as ix
 from .facade import Store
+from .reader import check_lmdb_file
 from .shards import SealedShard, iter_lmdb_records
 
 
@@ -70,6 +72,10 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
                 bad_shards.append({"shard": e.name, "problem": "missing"})
                 bar.update(e.records)
                 continue
+            if not path.is_file():  # a directory, a symlink loop: nothing to hash or map
+                bad_shards.append({"shard": e.name, "problem": "not a regular file"})
+                bar.update(e.records)
+                continue
             size, sha = file_sha256(path)
             if size != e.bytes or sha != e.sha256:
                 bad_shards.append({"shard": e.name, "problem": "checksum mismatch" if size == e.bytes else
@@ -107,14 +113,20 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
             if not tail_path.exists():
                 bad_shards.append({"shard": tail.name, "problem": "missing"})
             else:
-                for slot, v in iter_lmdb_records(tail_path, tail=True, shard_size=m.shard_size):
-                    if slot >= tail.records:
-                        break
-                    key, problem = _check_record(v)
-                    if problem:
-                        bad_records.append({"shard": tail.name, "slot": slot, "key": key, "problem": problem})
-                    checked += 1
-                    bar.update(1)
+                try:
+                    check_lmdb_file(tail_path)
+                    for slot, v in iter_lmdb_records(tail_path, tail=True, shard_size=m.shard_size):
+                        if slot >= tail.records:
+                            break
+                        key, problem = _check_record(v)
+                        if problem:
+                            bad_records.append({"shard": tail.name, "slot": slot, "key": key, "problem": problem})
+                        checked += 1
+                        bar.update(1)
+                except lmdb.Error as err:
+                    bad_shards.append({"shard": tail.name, "problem": f"LMDB cannot read it ({type(err).__name__})"})
+                except CorruptDatasetError as err:
+                    bad_shards.append({"shard": tail.name, "problem": str(err)})
     finally:
         bar.close()
     if not bad_shards and not bad_records:
@@ -132,8 +144,8 @@ def _check_index(store: Store) -> list[str]:
     idx = reader.gen.index
     try:
         hashes = ix.all_key_hashes(idx)
-    except IndexError:
-        return ["key index holds positions past the sample count; run `kvdata reindex`"]
+    except CorruptDatasetError as e:
+        return [str(e)]
     if sum(len(r.hashes) for r in idx.runs) != idx.count:
         entries = sum(len(r.hashes) for r in idx.runs)
         problems.append(f"key index has {entries} entries for {idx.count} samples; run `kvdata reindex`")
