@@ -170,10 +170,62 @@ class _Bad(Exception):
     pass
 
 
+MAX_DEPTH = 32  # nesting of values kept as they are (field specs, unknown keys)
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _show(v: Any) -> str:
+    """A value from a manifest in one short line: never a huge int's digits or a deep repr."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"a {v.bit_length()}-bit integer"
+    if isinstance(v, _SCALARS):
+        return repr(v)[:60]
+    return f"a JSON {'object' if isinstance(v, dict) else 'array' if isinstance(v, list) else type(v).__name__}"
+
+
+def _shallow(v: Any, depth: int = MAX_DEPTH) -> bool:
+    """Whether a JSON value nests at most `depth` levels (checked without recursion)."""
+    level: list[Any] = [v]
+    for _ in range(depth + 1):
+        nxt: list[Any] = []
+        for x in level:
+            if isinstance(x, dict):
+                nxt.extend(x.values())
+            elif isinstance(x, list):
+                nxt.extend(x)
+        if not nxt:
+            return True
+        level = nxt
+    return False
+
+
 def _int(v: Any, what: str, hi: int = MAX_COUNT) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
-        raise _Bad(f"{what} must be an integer in [0, {hi}], not {v!r:.40}")
+        raise _Bad(f"{what} must be an integer in [0, {hi}], not {_show(v)}")
     return v
+
+
+def _fields(fields: dict[Any, Any]) -> dict[str, dict[str, Any]]:
+    """The field schema: {name: {"type": str, "dtype": str, "shape": [int | null, ...] | null, ...}}."""
+    for name, spec in fields.items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("type"), str) \
+                or not isinstance(spec.get("dtype", ""), str) or not _shallow(spec, 2):
+            raise _Bad(f"fields[{_show(name)}] is not a field schema")
+        shape = spec.get("shape")
+        if shape is not None and (not isinstance(shape, list) or not all(
+                d is None or (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_COUNT) for d in shape)):
+            raise _Bad(f"fields[{_show(name)}].shape is not a list of sizes")
+    return fields
+
+
+def _classes(classes: list[Any]) -> list[str]:
+    """Class names: strings (numbers are taken as their text)."""
+    out = []
+    for c in classes:
+        if isinstance(c, bool) or not isinstance(c, (str, int, float)) or (isinstance(c, int) and c.bit_length() > 64):
+            raise _Bad(f"classes holds {_show(c)}, not a class name")
+        out.append(str(c))
+    return out
 
 
 def _sha(v: Any, what: str) -> str:
@@ -187,6 +239,8 @@ def _shard(i: int, s: Any) -> ShardEntry:
         raise _Bad(f"shard entry {i} is not an object")
     sid = _int(s.get("id"), f"shards[{i}].id", MAX_SHARDS)
     name = s.get("name")
+    if not isinstance(name, str):
+        raise _Bad(f"shards[{i}].name is {_show(name)}, not a file name")
     if sid != i or names.parse_shard_name(name) != sid:
         raise _Bad(f"shards[{i}] has id {sid} and name {str(name)[:60]!r}; expected {names.shard_name(i)!r}")
     zst = None
@@ -207,7 +261,7 @@ def _index(idx: Any) -> IndexFiles:
     for kind in ("samples", "records"):
         n = idx.get(kind)
         if n is not None and not names.is_index_name(n, kind):
-            raise _Bad(f"index.{kind} {str(n)[:60]!r} is not an index file name")
+            raise _Bad(f"index.{kind} {_show(n)} is not an index file name")
         files[kind] = n
     runs = idx.get("keys")
     if not isinstance(runs, list) or len(runs) > MAX_KEY_RUNS:
@@ -215,7 +269,7 @@ def _index(idx: Any) -> IndexFiles:
     keys = []
     for r in runs:
         if not isinstance(r, dict) or not names.is_index_name(r.get("name"), "keys"):
-            raise _Bad(f"index.keys entry {str(r)[:60]!r} is not a key run")
+            raise _Bad(f"index.keys entry {_show(r.get('name') if isinstance(r, dict) else r)} is not a key run")
         keys.append(KeyRunEntry(str(r["name"]), _int(r.get("count"), "index.keys[].count")))
     return IndexFiles(files["samples"], files["records"], _int(idx.get("records_count"), "index.records_count"),
                       tuple(keys))
@@ -230,7 +284,7 @@ def manifest_from_json(m: Any, where: str) -> Manifest:
         raise CorruptDatasetError(f"{where}: manifest has no format version; run `kvdata reindex`")
     if version > FORMAT_VERSION:
         raise FormatVersionError(
-            f"{where}: written by format version {version}, this kvdata reads up to {FORMAT_VERSION}; upgrade kvdata"
+            f"{where}: written by format version {_show(version)}, this kvdata reads up to {FORMAT_VERSION}; upgrade kvdata"
         )
     try:
         shards = m.get("shards")
@@ -241,6 +295,8 @@ def manifest_from_json(m: Any, where: str) -> Manifest:
         if not isinstance(t, dict):
             raise _Bad("tail is not an object")
         tid = _int(t.get("id"), "tail.id", MAX_SHARDS)
+        if not isinstance(t.get("name"), str):
+            raise _Bad(f"tail.name is {_show(t.get('name'))}, not a file name")
         if t.get("name") != names.tail_name(tid) or tid < len(entries):
             raise _Bad(f"tail {str(t.get('name'))[:60]!r} (id {tid}) does not follow the sealed shards")
         tail = TailEntry(tid, names.tail_name(tid), _int(t.get("records"), "tail.records"))
@@ -248,6 +304,10 @@ def manifest_from_json(m: Any, where: str) -> Manifest:
         classes = m.get("classes") or []
         if not isinstance(fields, dict) or not isinstance(classes, list):
             raise _Bad("fields must be an object and classes a list")
+        fields, classes = _fields(fields), _classes(classes)
+        for k, v in m.items():
+            if k not in _KNOWN and not _shallow(v):
+                raise _Bad(f"{_show(k)} nests deeper than {MAX_DEPTH} levels")
         sums = m.get("index_sha256")
         if sums is not None:
             if not isinstance(sums, dict) or not all(names.is_index_name(k) for k in sums):
@@ -269,7 +329,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     """Validated manifest; a clear error for damage or a newer version."""
     try:
         m = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer of more than 4300 digits
         raise CorruptDatasetError(
             f"{where}: manifest is truncated or corrupt ({e.__class__.__name__}); "
             "run `kvdata reindex` to rebuild it from the shards"
