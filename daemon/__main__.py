@@ -28,6 +28,7 @@ from kvdata.protocol import socket_path
 from .metrics import MetricsServer
 from .server import Server
 from .state import Service
+from .trust import raise_fd_limit, secure_tiers
 from .watch import Watcher
 
 log = logging.getLogger("kvdatad")
@@ -66,10 +67,16 @@ class Daemon:
         self.args = args
         self.config_path = Path(args.config).expanduser() if args.config else None
         self.config: Config = load_config(self.config_path)
+        for line in secure_tiers(self.config):
+            log.warning("tier directory made private: %s", line)
         self.service = Service(self.config)
+        nofile = raise_fd_limit()
+        # passed descriptors the daemon may hold, leaving room for connections, tiers and pools
+        self.service.max_held_fds = max(64, min(4096, (nofile - self.config.daemon.max_connections - 256) // 2))
         self.sock = Path(args.socket) if args.socket else socket_path(self.config.daemon.socket, env={
             k: v for k, v in os.environ.items() if k != "KVDATA_SOCKET"})
-        self.server = Server(self.service, self.sock, self.config.daemon.group, reload=self.reload)
+        self.server = Server(self.service, self.sock, self.config.daemon.group, reload=self.reload,
+                             all_users=self.config.daemon.all_users)
         port = args.metrics_port if args.metrics_port is not None else self.config.daemon.metrics_port
         self.metrics = MetricsServer(self.service, port) if port else None
         self.stop_event: asyncio.Event | None = None
@@ -149,6 +156,7 @@ class Daemon:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.umask(0o077)  # everything the daemon creates (tiers, copies, mirrors) is its own alone
     logging.basicConfig(stream=sys.stderr, level=args.log_level, format="kvdatad[%(process)d] %(levelname)s %(message)s")
     try:
         daemon = Daemon(args)

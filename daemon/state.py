@@ -1,13 +1,29 @@
 """The daemon's state and request handling, without sockets.
 
-`Service` owns the staging engine (kvdata.engine), the datasets clients opened,
-the readers' announced orders, and the counters `kvdata status` shows. Every
-client input is validated here before it reaches the engine: datasets are
-absolute paths without '..' or NUL, or s3:// / http(s):// URLs; shards are
-integer ids into a manifest whose names are themselves checked, so nothing a
-client sends can make the daemon read or write outside a dataset and its tiers.
-Residency is never cached: the tier directories on disk are the truth, so a
-restarted daemon serves what an earlier one staged.
+`Service` owns the staging engine (kvdata.tiers.engine), the datasets clients opened,
+the readers' announced orders, and the counters `kvdata status` shows. Every client
+input is validated here before it reaches the engine, and every request is answered
+for the peer the kernel names (SO_PEERCRED, see trust.py), following docs/SECURITY.md:
+
+- Datasets are absolute paths without '..' or NUL, or s3:// / http(s):// URLs. A URL is
+  fetched only if it lies under `[daemon] allow_homes` (NotAllowed otherwise: the reader
+  stages it itself). A local path is opened by the daemon only for a privileged peer
+  (root or the daemon's own uid, who could open it themselves); any other uid passes the
+  descriptors it opened -- the manifest with `open`, each shard file with `need`/`want`/
+  `announce`/`stage` -- and the daemon reads only those (kvdata.tiers.homes.PassedFiles),
+  under a name private to that uid.
+- A copy staged from passed descriptors is verified by its full sha256; a copy that
+  already exists is handed to an unprivileged peer only once that peer has proven it
+  holds the same content (its passed file hashes to the shard's sha256; remembered per
+  file identity), so knowing a shard's checksum never reveals its bytes.
+- Copies go back as read-only descriptors (the tiers are 0700); `status` shows a uid
+  only its own clients and datasets; `evict` by a uid keeps copies another uid's dataset
+  names; readers are per connection, so only their connection releases them.
+
+Shards are integer ids into a validated manifest, so nothing a client sends can make
+the daemon read or write outside what it passed, its allowed homes and its tiers.
+Residency is never cached: the tier directories on disk are the truth, so a restarted
+daemon serves what an earlier one staged.
 """
 
 from __future__ import annotations
@@ -15,23 +31,32 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvdata._util.digest import is_sha256
-from kvdata.config import Config
-from kvdata.errors import BadRequest
-from kvdata.protocol import PROTOCOL_VERSION
+from kvdata.config import Config, normalize_home_url
+from kvdata.errors import BadRequest, ConfigError, NotAllowed, RemoteError, StaleManifest
+from kvdata.protocol import MAX_FDS, PROTOCOL_VERSION, SHARD_KINDS, close_fds
 from kvdata.tiers import Manifest, ShardEntry
 from kvdata.tiers.engine import Engine
-from kvdata.tiers.homes import Home, open_home
-from kvdata.tiers.mirror import cache_root, mirror, read_manifest
+from kvdata.tiers.fetch import content_matches
+from kvdata.tiers.homes import Home, PassedFiles, open_home
+from kvdata.tiers.mirror import cache_root, manifest_from_fd, mirror, open_mirror_files, read_manifest
+
+from .trust import Peer, secure_tiers
 
 MAX_LOCATION = 4096
 MAX_READER = 256
-MAX_WANT = 4096  # shards one `want` may name
+MAX_WANT = 4096          # shards one `want` may name
+HELD_PER_DATASET = 32    # descriptors of one dataset a connection's requests leave with the daemon (LRU)
+PASSED_DATASETS = 4      # datasets per connection with descriptors held
+PROOFS = 65536           # file identities remembered as holding a shard's content
+OPEN_ATTEMPTS = 3        # a staged copy may be evicted between locate and open
+INTERNAL = Peer(0, 0, 0, True)
 
 
 @dataclass
@@ -40,25 +65,52 @@ class OpenDataset:
     home: Home
     root: Path
     manifest: Manifest
+    owner: int | None = None          # uid whose passed manifest this is; None: read by the daemon itself
+    users: set[int] = field(default_factory=set)  # uids that opened it (status shows it to these)
     staged_all: bool = False  # `kvdata stage` asked for it: keep new generations staged too
 
 
 @dataclass
 class ClientState:
     id: int
+    peer: Peer = INTERNAL
     pid: int | None = None
     readers: set[str] = field(default_factory=set)
     stall_seconds: float = 0.0
+    passed: OrderedDict[str, PassedFiles] = field(default_factory=OrderedDict)  # dataset key -> descriptors
+
+
+class Passed:
+    """The descriptors that came with one request: a handler takes what it keeps, the
+    server closes whatever is left after the reply."""
+
+    def __init__(self, fds: list[int]) -> None:
+        self._fds = list(fds)
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def take(self) -> int:
+        return self._fds.pop(0)
+
+    def close(self) -> None:
+        close_fds(self._fds)
+        self._fds = []
+
+
+def is_url(location: str) -> bool:
+    return location.startswith(("s3://", "http://", "https://"))
 
 
 def check_location(value: Any) -> str:
-    """A dataset location a client may name, or BadRequest."""
+    """A dataset location a client may name (a normalized URL or a clean absolute path), or BadRequest."""
     if not isinstance(value, str) or not value or len(value) > MAX_LOCATION or "\x00" in value:
         raise BadRequest("dataset must be a non-empty string without NUL bytes")
-    if value.startswith(("s3://", "http://", "https://")):
-        if ".." in value.split("?")[0].split("/")[3:]:
-            raise BadRequest(f"dataset URL {value!r} may not contain '..' segments")
-        return value.rstrip("/")
+    if is_url(value):
+        try:
+            return normalize_home_url(value)
+        except ConfigError as e:
+            raise BadRequest(f"dataset URL: {e}") from None
     p = Path(value)
     if not p.is_absolute():
         raise BadRequest(f"dataset {value!r} must be an absolute path or an s3:// / http(s):// URL")
@@ -67,42 +119,106 @@ def check_location(value: Any) -> str:
     return str(p)
 
 
+def _passed_key(uid: int, location: str) -> str:
+    return f"{location}\x00uid={uid}"  # NUL never occurs in a location: no clash with a shared one
+
+
 class Service:
     """Request handlers; thread-safe (the socket loop runs blocking ones in a pool)."""
 
     def __init__(self, config: Config) -> None:
+        secure_tiers(config)
         self.config = config
-        self.engine = Engine(config)
+        self.engine = Engine(config, verify_content=True)
         self._lock = threading.RLock()
         self.datasets: dict[str, OpenDataset] = {}
         self.clients: dict[int, ClientState] = {}
         self.started = time.time()
         self.requests = 0
         self.bad_requests = 0
+        self.max_held_fds = 4096  # descriptors clients passed that the daemon keeps, over all connections
+        self._proofs: OrderedDict[tuple[int, int], tuple[int, int, int, str, str]] = OrderedDict()
 
     # ------------------------------------------------------------ clients
 
-    def connect(self, cid: int) -> None:
+    def connect(self, cid: int, peer: Peer = INTERNAL) -> None:
         with self._lock:
-            self.clients[cid] = ClientState(cid)
+            self.clients[cid] = ClientState(cid, peer, peer.pid or None)
 
     def disconnect(self, cid: int) -> None:
-        """Socket closed = every claim of that client released."""
+        """Socket closed = every claim of that client released, every descriptor it passed closed."""
         with self._lock:
             st = self.clients.pop(cid, None)
         if st is not None:
             for r in st.readers:
                 self.engine.release(r)
+            for home in st.passed.values():
+                home.close()
+
+    def _client(self, cid: int | None) -> ClientState:
+        with self._lock:
+            st = self.clients.get(cid) if cid is not None else None
+        if st is None:
+            if cid is None:
+                return ClientState(0)
+            raise BadRequest("this connection is closing")
+        return st
+
+    def peer(self, cid: int | None) -> Peer:
+        return self._client(cid).peer
+
+    def local_datasets(self) -> list[str]:
+        """Local datasets the daemon itself reads (watched for new generations)."""
+        with self._lock:
+            return [loc for loc, d in self.datasets.items() if d.owner is None and d.home.local_path("") is not None]
 
     # ------------------------------------------------------------ datasets
 
-    def _dataset(self, value: Any) -> OpenDataset:
+    def _location(self, value: Any) -> str:
         loc = check_location(value)
+        if is_url(loc) and not self.config.daemon.home_allowed(loc):
+            raise NotAllowed(f"kvdatad does not fetch {loc}: it is not under its [daemon] allow_homes, so the reader "
+                             "stages it itself")
+        return loc
+
+    def _dataset(self, cid: int | None, value: Any) -> tuple[OpenDataset, Home]:
+        """The dataset a request names, as this peer sees it, and the home to stage its shards
+        from for this connection."""
+        loc = self._location(value)
+        st = self._client(cid)
+        if is_url(loc) or st.peer.privileged:
+            shared = self._shared(loc, st.peer.uid)
+            return shared, shared.home
+        key = _passed_key(st.peer.uid, loc)
+        with self._lock:
+            ds = self.datasets.get(key)
+        if ds is None:
+            raise NotAllowed(f"{loc} is not open for uid {st.peer.uid}: open it first, passing its manifest "
+                             "(kvdatad reads local datasets only from descriptors their reader passes)")
+        return ds, self._passed_home(st, key, loc)
+
+    def _shared(self, loc: str, uid: int) -> OpenDataset:
         with self._lock:
             ds = self.datasets.get(loc)
-        return ds if ds is not None else self.open_dataset(loc)
+        if ds is None:
+            ds = self.open_dataset(loc)
+        with self._lock:
+            ds.users.add(uid)
+        return ds
+
+    def _passed_home(self, st: ClientState, key: str, loc: str) -> PassedFiles:
+        with self._lock:
+            home = st.passed.get(key)
+            if home is None:
+                home = st.passed[key] = PassedFiles(loc)
+                while len(st.passed) > PASSED_DATASETS:
+                    _k, old = st.passed.popitem(last=False)
+                    old.close()
+            st.passed.move_to_end(key)
+            return home
 
     def open_dataset(self, loc: str, refresh: bool = False) -> OpenDataset:
+        """A dataset the daemon reads itself (a privileged peer's path, or an allowed URL)."""
         with self._lock:
             old = self.datasets.get(loc)
         if old is not None and not refresh:
@@ -115,7 +231,8 @@ class Service:
             root = mirror(home, cache_root(self.config))
             m = read_manifest(root)
         self.engine.check_budgets(list(m.shards))
-        ds = OpenDataset(loc, home, root, m, staged_all=bool(old and old.staged_all))
+        ds = OpenDataset(loc, home, root, m, staged_all=bool(old and old.staged_all),
+                         users=set(old.users) if old is not None else set())
         with self._lock:
             self.datasets[loc] = ds
         if ds.staged_all:
@@ -128,63 +245,176 @@ class Service:
             raise BadRequest(f"shard must be an integer id in [0, {len(ds.manifest.shards)}) of {ds.location}")
         return ds.manifest.shards[shard]
 
+    # ------------------------------------------------------------ passed descriptors
+
+    def _hold(self, cid: int | None, home: PassedFiles, entry: ShardEntry, fd: int, kind: Any) -> None:
+        """Keep a shard file a client passed (checked by PassedFiles.add), within the bounds."""
+        if kind not in SHARD_KINDS or (kind == "zst" and entry.zst is None):
+            os.close(fd)
+            raise BadRequest(f"kind must be one of {', '.join(SHARD_KINDS)} (zst only for a shard with a .zst copy)")
+        if self._held_total() >= self.max_held_fds:
+            os.close(fd)
+            raise NotAllowed("kvdatad holds as many passed files as it may; the reader stages this shard itself")
+        size = entry.bytes if kind == "mdb" else entry.zst.bytes  # type: ignore[union-attr]
+        try:
+            home.add(entry.sha256, fd, kind, size)
+        except RemoteError as e:
+            raise BadRequest(f"shard {entry.id} of {home.url}: {e}") from None
+        home.drop_oldest(HELD_PER_DATASET)
+
+    def _held_total(self) -> int:
+        with self._lock:
+            homes = [h for c in self.clients.values() for h in c.passed.values()]
+        return sum(len(h) for h in homes)
+
+    def _take_files(self, cid: int | None, ds: OpenDataset, home: Home, msg: dict[str, Any],
+                    field_name: str = "ahead") -> list[ShardEntry]:
+        """Shard files passed as `ahead` [[id, kind], ...] with one descriptor each; the entries."""
+        items = msg.get(field_name)
+        passed: Passed = msg["_fds"]
+        if items is None:
+            return []
+        if not isinstance(items, list) or len(items) != len(passed) or len(items) > MAX_FDS:
+            raise BadRequest(f"{field_name} must be a list of [shard id, kind] pairs, one per descriptor passed")
+        if not isinstance(home, PassedFiles):
+            return []  # a peer the daemon reads paths for: its descriptors are not needed (closed after the reply)
+        out = []
+        for item in items:
+            if not isinstance(item, list) or len(item) != 2:
+                raise BadRequest(f"{field_name} must be a list of [shard id, kind] pairs")
+            e = self._entry(ds, item[0])
+            self._hold(cid, home, e, passed.take(), item[1])
+            out.append(e)
+        return out
+
+    def _prove(self, home: PassedFiles, entry: ShardEntry) -> None:
+        """An unprivileged peer gets a copy only of content it holds: the copy was made from
+        its own passed file, or that file hashes to the shard's sha256 (remembered by the
+        file's identity, so a dataset's next epoch costs nothing)."""
+        got = home.open_passed(entry.sha256)
+        if got is None:
+            raise NotAllowed(f"shard {entry.id} of {home.url}: pass the shard's file with the request")
+        fd, kind = got
+        try:
+            st = os.fstat(fd)
+            ident = (st.st_dev, st.st_ino)
+            sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, kind, entry.sha256)
+            with self._lock:
+                known = self._proofs.get(ident) == sig
+            if not known and entry.sha256 not in home.proven and not content_matches(fd, kind, entry):
+                raise NotAllowed(f"shard {entry.id} of {home.url}: the file passed does not hold the content its "
+                                 "manifest names; nothing was served")
+            with self._lock:
+                self._proofs[ident] = sig
+                self._proofs.move_to_end(ident)
+                while len(self._proofs) > PROOFS:
+                    self._proofs.popitem(last=False)
+        finally:
+            os.close(fd)
+
+    def _open_copy(self, home: Home, entry: ShardEntry) -> tuple[Path, bool, int]:
+        """(path, staged, a read-only descriptor of it) -- locating again if it was evicted meanwhile."""
+        for attempt in range(OPEN_ATTEMPTS):
+            path, staged = self.engine.locate(home, entry)
+            try:
+                return path, staged, os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                if attempt == OPEN_ATTEMPTS - 1:
+                    raise RemoteError(f"shard {entry.id}'s copy keeps vanishing; try again") from None
+        raise AssertionError("unreachable")
+
     # ------------------------------------------------------------ handlers
 
     def hello(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
         pid = msg.get("pid")
+        st = self._client(cid)
         with self._lock:
-            if cid in self.clients and isinstance(pid, int):
-                self.clients[cid].pid = pid
+            if st.pid is None and isinstance(pid, int) and not isinstance(pid, bool):
+                st.pid = pid
         if msg.get("version") != PROTOCOL_VERSION:
             raise BadRequest(f"protocol version {msg.get('version')!r} is not {PROTOCOL_VERSION}; upgrade kvdata")
-        return {"version": PROTOCOL_VERSION, "pid": os.getpid()}
+        return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "uid": st.peer.uid, "paths": st.peer.privileged}
 
     def open(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
-        ds = self._dataset(msg.get("dataset"))
-        return {"root": str(ds.root), "generation": ds.manifest.generation, "shards": len(ds.manifest.shards)}
+        loc = self._location(msg.get("dataset"))
+        st = self._client(cid)
+        passed: Passed = msg["_fds"]
+        if not is_url(loc) and not st.peer.privileged:
+            if len(passed) != 1:
+                raise NotAllowed(f"kvdatad reads a local dataset only from descriptors its reader passes "
+                                 f"(docs/SECURITY.md): pass {loc}/manifest.json with open")
+            fd = passed.take()
+            try:
+                m = manifest_from_fd(fd, f"{loc}/manifest.json (passed by uid {st.peer.uid})")
+            finally:
+                os.close(fd)
+            self.engine.check_budgets(list(m.shards))
+            key = _passed_key(st.peer.uid, loc)
+            ds = OpenDataset(loc, PassedFiles(loc), Path(loc), m, owner=st.peer.uid, users={st.peer.uid})
+            with self._lock:
+                self.datasets[key] = ds
+            return {"root": loc, "generation": m.generation, "shards": len(m.shards)}
+        ds = self._shared(loc, st.peer.uid)
+        reply: dict[str, Any] = {"root": str(ds.root), "generation": ds.manifest.generation,
+                                 "shards": len(ds.manifest.shards)}
+        if ds.home.local_path("") is None:  # a remote dataset's mirror, for a reader who cannot read the tier
+            files = open_mirror_files(ds.root)
+            reply["files"] = [name for name, _fd in files]
+            reply["_fds"] = [fd for _name, fd in files]
+        return reply
 
     def announce(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
-        ds = self._dataset(msg.get("dataset"))
+        ds, home = self._dataset(cid, msg.get("dataset"))
         reader = self._reader(cid, msg.get("reader"))
         shards = msg.get("shards")
         if not isinstance(shards, list):
             raise BadRequest("shards must be a list of integer shard ids")
         entries = [self._entry(ds, s) for s in shards]
         position = self._position(msg.get("position", 0))
+        self._take_files(cid, ds, home, msg)
         with self._lock:
-            self.clients[cid].readers.add(reader)
-        self.engine.announce(reader, ds.home, entries, position)
+            self._client(cid).readers.add(reader)
+        self.engine.announce(reader, home, entries, position)
         return {}
 
     def progress(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
         reader = self._reader(cid, msg.get("reader"))
-        self.engine.progress(reader, self._position(msg.get("position", 0)))
+        position = self._position(msg.get("position", 0))
+        if msg.get("ahead") is not None:  # the next shards' files, for prefetching (run off the loop)
+            ds, home = self._dataset(cid, msg.get("dataset"))
+            self._take_files(cid, ds, home, msg)
+        self.engine.progress(reader, position)
         stall = msg.get("stall")
         if isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < 1e9:
             with self._lock:
-                self.clients[cid].stall_seconds = float(stall)
+                self._client(cid).stall_seconds = float(stall)
         return {}
 
     def release(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
         reader = self._reader(cid, msg.get("reader"))
         with self._lock:
-            self.clients[cid].readers.discard(reader)
+            self._client(cid).readers.discard(reader)
         self.engine.release(reader)
         return {}
 
     def need(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
-        """Blocking: returns once a verified copy exists (run it off the socket loop).
+        """Blocking: returns once a verified copy exists (run it off the socket loop), with a
+        read-only descriptor of it.
 
         The client names the shard by id and by the sha256 its manifest has: if the
         daemon's view of the dataset is older or newer than the client's, it re-reads
-        the home; it never serves a copy with another checksum."""
-        ds = self._dataset(msg.get("dataset"))
+        the home (or, for a dataset read from passed descriptors, asks the client to open
+        it again); it never serves a copy with another checksum."""
+        ds, home = self._dataset(cid, msg.get("dataset"))
         want = msg.get("sha256")
         if want is not None and not is_sha256(want):
             raise BadRequest("sha256 must be 64 lowercase hex digits")
         shard = msg.get("shard")
         known = isinstance(shard, int) and not isinstance(shard, bool) and 0 <= shard < len(ds.manifest.shards)
         if want is not None and (not known or ds.manifest.shards[shard].sha256 != want):  # type: ignore[index]
+            if isinstance(home, PassedFiles):
+                raise StaleManifest(f"shard {shard} of {ds.location} is not in the manifest this reader passed "
+                                    f"(generation {ds.manifest.generation}); open the dataset again")
             ds = self.open_dataset(ds.location, refresh=True)
             match = [e for e in ds.manifest.shards if e.sha256 == want]
             if not match:
@@ -193,55 +423,112 @@ class Service:
             entry = match[0]
         else:
             entry = self._entry(ds, shard)
-        path, staged = self.engine.locate(ds.home, entry)
-        return {"path": str(path), "staged": staged}
+        if isinstance(home, PassedFiles):
+            passed: Passed = msg["_fds"]
+            if len(passed) == 1:
+                self._hold(cid, home, entry, passed.take(), msg.get("kind", "mdb"))
+            if not home.has(entry.sha256):
+                raise NotAllowed(f"shard {entry.id} of {ds.location}: pass the shard's file with need")
+        path, staged, fd = self._open_copy(home, entry)
+        try:
+            if isinstance(home, PassedFiles):
+                self._prove(home, entry)
+        except BaseException:
+            os.close(fd)
+            raise
+        return {"path": str(path), "staged": staged, "_fds": [fd]}
 
     def want(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
         """A reader's batch needs these shards now: start staging them together (not awaited;
         its `need`s then wait for the slowest, not the sum)."""
-        ds = self._dataset(msg.get("dataset"))
+        ds, home = self._dataset(cid, msg.get("dataset"))
         shards = msg.get("shards")
         if not isinstance(shards, list) or len(shards) > MAX_WANT:
             raise BadRequest("shards must be a list of [id, sha256] pairs")
+        kinds = msg.get("kinds")
+        passed: Passed = msg["_fds"]
+        if kinds is not None and (not isinstance(kinds, list) or len(kinds) != len(passed) or len(kinds) > len(shards)):
+            raise BadRequest("kinds must name the kind of each descriptor passed, in the order of shards")
         entries = []
-        for item in shards:
+        for i, item in enumerate(shards):
             if not isinstance(item, list) or len(item) != 2:
                 raise BadRequest("shards must be a list of [id, sha256] pairs")
             e = self._entry(ds, item[0])
+            if isinstance(home, PassedFiles) and kinds is not None and i < len(kinds):
+                fd = passed.take()
+                if e.sha256 != item[1]:
+                    os.close(fd)
+                    continue
+                self._hold(cid, home, e, fd, kinds[i])
             if e.sha256 == item[1]:  # a stale id is left to `need`, which re-reads the home
                 entries.append(e)
-        self.engine.start_many(ds.home, entries)
+        if isinstance(home, PassedFiles):
+            entries = [e for e in entries if home.has(e.sha256)]
+        self.engine.start_many(home, entries)
         return {"started": len(entries)}
 
     def stage(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any], list[Future[Path]]]:
-        ds = self._dataset(msg.get("dataset"))
+        ds, home = self._dataset(cid, msg.get("dataset"))
         tier = msg.get("tier")
         if tier is not None:
             if not isinstance(tier, str):
                 raise BadRequest("tier must be a tier name")
             self.config.tier(tier)
-        ds.staged_all = True
-        futures = [self.engine.stage(ds.home, e, tier) for e in ds.manifest.shards]
+        if isinstance(home, PassedFiles):
+            # staged from the files this request passes; a home read from descriptors is not watched
+            request_home = PassedFiles(ds.location)
+            try:
+                entries = self._take_files(cid, ds, request_home, msg)
+            except BaseException:
+                request_home.close()
+                raise
+            if not entries:
+                request_home.close()
+                raise NotAllowed(f"{ds.location}: pass the shard files to stage as ahead [[id, kind], ...] with descriptors")
+            futures = [self.engine.stage(request_home, e, tier) for e in entries]
+            _close_when_done(request_home, futures)
+        else:
+            ds.staged_all = True
+            futures = [self.engine.stage(home, e, tier) for e in ds.manifest.shards]
         return {"shards": len(futures), "queued": sum(not f.done() for f in futures)}, futures
 
     def evict(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
-        ds = self._dataset(msg.get("dataset"))
+        ds, _home = self._dataset(cid, msg.get("dataset"))
         tier = msg.get("tier")
         if tier is not None and not isinstance(tier, str):
             raise BadRequest("tier must be a tier name")
         if tier is not None:
             self.config.tier(tier)
-        ds.staged_all = False
-        return {"evicted": self.engine.evict(list(ds.manifest.shards), tier)}
+        peer = self.peer(cid)
+        entries = list(ds.manifest.shards)
+        kept = 0
+        if not peer.privileged:  # a uid evicts only copies no other uid's dataset names
+            others = self._named_by_others(peer.uid)
+            kept = sum(e.sha256 in others for e in entries)
+            entries = [e for e in entries if e.sha256 not in others]
+        with self._lock:
+            if peer.privileged or ds.users <= {peer.uid}:
+                ds.staged_all = False
+        return {"evicted": self.engine.evict(entries, tier), "kept": kept}
+
+    def _named_by_others(self, uid: int) -> set[str]:
+        with self._lock:
+            datasets = [d for d in self.datasets.values() if d.users - {uid}]
+        return {e.sha256 for d in datasets for e in d.manifest.shards}
 
     def status(self, cid: int | None = None, msg: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The daemon's state; an unprivileged peer sees the tiers' totals but only its own
+        clients and datasets (no other uid's paths, pids, readers or errors)."""
+        peer = self.peer(cid)
         st = self.engine.status()
         with self._lock:
             clients: list[dict[str, Any]] = [
-                {"id": c.id, "pid": c.pid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
-                for c in self.clients.values()]
-            datasets = [{"dataset": d.location, "generation": d.manifest.generation,
-                         "shards": len(d.manifest.shards)} for d in self.datasets.values()]
+                {"id": c.id, "pid": c.pid, "uid": c.peer.uid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
+                for c in self.clients.values() if peer.privileged or c.peer.uid == peer.uid]
+            datasets = [{"dataset": d.location, "generation": d.manifest.generation, "shards": len(d.manifest.shards)}
+                        for d in self.datasets.values() if peer.privileged or peer.uid in d.users]
+        if not peer.privileged:
+            st["errors"] = []
         st.update({"pid": os.getpid(), "uptime_seconds": round(time.time() - self.started, 1),
                    "clients": clients, "connected_clients": len(clients), "datasets": datasets,
                    "queue_depth": st["in_flight"], "requests": self.requests, "bad_requests": self.bad_requests,
@@ -250,6 +537,7 @@ class Service:
 
     def reload(self, config: Config) -> dict[str, Any]:
         """New tiers and budgets, keeping clients, datasets and announced orders."""
+        secure_tiers(config)
         self.config = config
         self.engine.reconfigure(config)
         return {"tiers": [t.name for t in self.engine.tiers]}
@@ -271,3 +559,20 @@ class Service:
     def close(self) -> None:
         self.engine.close()
 
+
+def _close_when_done(home: PassedFiles, futures: list[Future[Path]]) -> None:
+    """Close a request's descriptors once every staging job that may read them has ended."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_f: Future[Path]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            home.close()
+
+    if not futures:
+        home.close()
+    for f in futures:
+        f.add_done_callback(done)

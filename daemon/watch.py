@@ -7,6 +7,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ class Watcher:
         self._watched: set[str] = set()
         self._pending: dict[str, asyncio.TimerHandle] = {}
         self._lock = threading.Lock()
+        self._stopped = False
+        # its own threads: a home that hangs must not hold up asyncio.run's exit (default executor)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvdatad-watch")
 
     def start(self) -> None:
         self._observer = Observer()
@@ -53,13 +57,26 @@ class Watcher:
         self._poll = self.loop.call_later(1.0, self._sync_datasets)
 
     def _sync_datasets(self) -> None:
-        """Watch every local home the daemon has opened (checked once a second)."""
-        for loc, ds in list(self.service.datasets.items()):
-            if loc not in self._watched and ds.home.local_path("") is not None and Path(loc).is_dir():
+        """Watch every local home the daemon reads itself (checked once a second, off the loop:
+        a hung home must not stall it). Datasets read from passed descriptors are not watched."""
+        fut = self.loop.run_in_executor(self._pool, self._new_watches)
+        fut.add_done_callback(self._watched_now)
+
+    def _new_watches(self) -> list[str]:
+        added = []
+        for loc in self.service.local_datasets():
+            if loc not in self._watched and Path(loc).is_dir():
                 self._observer.schedule(_Handler(self._event), loc, recursive=False)
                 self._watched.add(loc)
+                added.append(loc)
+        return added
+
+    def _watched_now(self, fut: asyncio.Future[list[str]]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            for loc in fut.result():
                 self._debounce(str(Path(loc) / "manifest.json"))  # a change before the watch existed
-        self._poll = self.loop.call_later(1.0, self._sync_datasets)
+        if not self._stopped:
+            self._poll = self.loop.call_later(1.0, self._sync_datasets)
 
     def _event(self, path: str) -> None:  # watchdog thread: only hand over to the loop
         self.loop.call_soon_threadsafe(self._debounce, path)
@@ -75,12 +92,14 @@ class Watcher:
         old = self._pending.pop(key, None)
         if old is not None:
             old.cancel()
-        self._pending[key] = self.loop.call_later(DEBOUNCE, lambda: self.loop.run_in_executor(None, fn))
+        self._pending[key] = self.loop.call_later(DEBOUNCE, lambda: self.loop.run_in_executor(self._pool, fn))
 
     def stop(self) -> None:
+        self._stopped = True
         self._poll.cancel()
         for h in self._pending.values():
             h.cancel()
         if self._observer is not None:
             self._observer.stop()
             self._observer.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -93,7 +93,11 @@ class ProtocolError(KVDataError):
 
 
 class DaemonError(KVDataError):
-    """The daemon answered with an error (its message is in the text)."""
+    """The daemon answered with an error (its message is in the text, its kind in `code`)."""
+
+    def __init__(self, message: str = "", code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class DaemonUnavailable(KVDataError):
@@ -102,3 +106,13 @@ class DaemonUnavailable(KVDataError):
 
 class BadRequest(KVDataError):
     """A request the daemon refuses (bad field, unknown dataset/shard)."""
+
+
+class NotAllowed(BadRequest):
+    """A request the trust model refuses (docs/SECURITY.md): a home not in the daemon's
+    allow-list, a local path named by a client that must pass descriptors, another
+    uid's dataset; the reader then stages in-process."""
+
+
+class StaleManifest(BadRequest):
+    """The client names a shard its daemon-side manifest no longer has: open again."""

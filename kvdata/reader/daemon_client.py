@@ -1,13 +1,18 @@
 """DaemonStager: the ShardSource served by kvdatad over its socket.
 
-One staged copy is shared by every job on the box. If the daemon goes away or
-refuses mid-run, the stager falls back on an in-process engine: readers never stop.
+One staged copy is shared by every job on the box. The daemon hands each copy over as a
+read-only file descriptor (its tiers are private to it); a reader whose uid may not name
+local paths to the daemon (docs/SECURITY.md: any uid but root and the daemon's own)
+passes the files of a local dataset it opened itself -- the manifest at open, each shard
+file with the requests that stage it. If the daemon goes away or refuses anything
+mid-run, the stager falls back on an in-process engine: readers never stop.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,12 +20,111 @@ from typing import Any
 from ..config import Config
 from ..errors import DaemonError, DaemonUnavailable, KVDataError
 from ..format import ShardEntry, names
-from ..protocol import Client
+from ..protocol import MAX_FDS, Client, close_fds
+from ..store.shards import OpenedCopy
 from ..tiers.engine import Engine
-from ..tiers.homes import Home
+from ..tiers.homes import Home, is_url
+from ..tiers.mirror import mirror_from_fds
 
 PROGRESS_INTERVAL = 0.05  # seconds between progress reports of one reader to kvdatad
 MAX_OPEN = 8              # staged shards a reader keeps mapped through the daemon
+KEEP_COPIES = 2 * MAX_OPEN  # descriptors of staged copies kept to map again without a round trip
+AHEAD = 16                # shard files passed ahead of a reader (the daemon's prefetch lookahead)
+RETRY_CODES = ("StaleManifest", "NotAllowed")  # answered by opening the dataset again, once
+
+
+def user_mirror_root() -> Path:
+    """Where a reader keeps its own copy of a remote dataset's index that kvdatad passed."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kvdata" / "daemon-mirrors"
+
+
+def _open_file(path: Path) -> int | None:
+    try:  # O_NONBLOCK: a FIFO planted in the dataset cannot hang the reader (the daemon refuses it)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
+def shard_file(location: str, entry: ShardEntry) -> tuple[int, str] | None:
+    """(descriptor, kind) of a local dataset's shard file, opened by this process with its
+    own rights: the shard itself ("mdb"), else its compressed copy ("zst")."""
+    shards = Path(location) / names.SHARDS_DIR
+    fd = _open_file(shards / entry.name)
+    if fd is not None:
+        return fd, "mdb"
+    if entry.zst is not None:
+        fd = _open_file(shards / entry.zst.name)
+        if fd is not None:
+            return fd, "zst"
+    return None
+
+
+def open_request(client: Client, location: str) -> tuple[dict[str, Any], list[int]]:
+    """`open` a dataset through the daemon: a local one's manifest is passed as a descriptor
+    when the daemon does not open this uid's paths. DaemonError if it refuses."""
+    fds: list[int] = []
+    if not client.may_name_paths and not is_url(location):
+        fd = _open_file(Path(location) / names.MANIFEST)
+        if fd is None:
+            raise DaemonError(f"{location}/{names.MANIFEST} cannot be opened by this reader", "NotAllowed")
+        fds.append(fd)
+    try:
+        return client.request_fds("open", fds=fds, dataset=location)
+    finally:
+        close_fds(fds)
+
+
+def stage_request(client: Client, location: str, entries: Sequence[ShardEntry], tier: str | None = None,
+                  wait: bool = False) -> dict[str, Any]:
+    """`stage` a dataset through the daemon (what `kvdata stage` needs): by name for a URL or
+    a client the daemon opens paths for; else the manifest is passed with `open` and the
+    shard files go with `stage` requests, MAX_FDS at a time. DaemonError if it refuses."""
+    if client.may_name_paths or is_url(location):
+        return client.request("stage", dataset=location, tier=tier, wait=wait)
+    _reply, got = open_request(client, location)
+    close_fds(got)
+    shards = queued = 0
+    for i in range(0, len(entries), MAX_FDS):
+        fds: list[int] = []
+        items: list[list[Any]] = []
+        try:
+            for e in entries[i:i + MAX_FDS]:
+                f = shard_file(location, e)
+                if f is None:
+                    raise DaemonError(f"{location}: shard {e.name} cannot be opened by this reader", "NotAllowed")
+                fds.append(f[0])
+                items.append([e.id, f[1]])
+            r = client.request("stage", fds=fds, dataset=location, tier=tier, wait=wait, ahead=items)
+        finally:
+            close_fds(fds)
+        shards += int(r["shards"])
+        queued += int(r["queued"])
+    return {"shards": shards, "queued": queued}
+
+
+def open_root(client: Client, location: str) -> Path | None:
+    """The directory a reader opens a dataset from through the daemon, or None if the daemon
+    refuses it (the caller then stages in-process): the dataset itself when local; for a URL,
+    the daemon's verified index mirror, or this uid's own copy of it when the daemon's tier
+    is not readable here (the daemon passes the mirror's files as descriptors)."""
+    try:
+        reply, fds = open_request(client, location)
+    except DaemonError:
+        return None
+    try:
+        root = Path(reply["root"])
+        if not is_url(location) or os.access(root / names.MANIFEST, os.R_OK):
+            return root
+        files = reply.get("files")
+        if not isinstance(files, list) or len(files) != len(fds):
+            return None
+        try:
+            return mirror_from_fds(list(zip((str(f) for f in files), fds)), user_mirror_root(), location)
+        except (KVDataError, OSError):
+            return None
+    finally:
+        close_fds(fds)
 
 
 class DaemonStager:
@@ -32,8 +136,11 @@ class DaemonStager:
         self.max_open = MAX_OPEN
         self._fallback: Engine | None = None
         self._pid = os.getpid()
-        self._paths: dict[str, tuple[Path, bool]] = {}  # sha -> where the daemon last put it
+        # descriptors of copies the daemon passed (unlocked: the mapped handle locks its own use)
+        self._copies: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._sent: dict[str, tuple[int, float]] = {}   # reader -> (position, when) last reported
+        self._orders: dict[str, list[ShardEntry]] = {}  # reader -> announced order (files passed ahead)
+        self._ahead: dict[str, set[int]] = {}           # reader -> shard ids whose files went ahead
         self.stall_seconds = 0.0  # time this process waited for shards: reported with progress
 
     @property
@@ -44,8 +151,17 @@ class DaemonStager:
     def stager(self) -> DaemonStager:
         return self
 
+    @property
+    def _passing(self) -> bool:
+        """Whether this reader passes its local dataset's files (the daemon does not open its paths)."""
+        c = self.client
+        return c is not None and not c.may_name_paths and self._home.local_path("") is not None
+
     def _live(self) -> Client | None:
         if self.client is not None and os.getpid() != self._pid:  # after fork: a connection of our own
+            inherited = list(self._copies.values())
+            self._copies.clear()
+            close_fds([fd for fd, _where in inherited])
             try:
                 self.client = Client(self.client.path)
             except KVDataError:
@@ -58,31 +174,105 @@ class DaemonStager:
             self._fallback = Engine(self.config)
         return self._fallback
 
-    def _call(self, t: str, **fields: Any) -> dict[str, Any] | None:
-        """The daemon's reply, or None when it is gone or refuses (the caller then works in-process)."""
-        client = self._live()
-        if client is None:
-            return None
-        try:
-            return client.request(t, dataset=self.location, **fields) if t != "progress" else \
-                client.request(t, **fields)
-        except DaemonUnavailable:
-            self.client = None
-            return None
-        except DaemonError:
-            return None
+    def _request(self, t: str, fds: Sequence[int] = (), **fields: Any) -> tuple[dict[str, Any], list[int]] | None:
+        """The daemon's reply and the descriptors it passed; None when it is gone or refuses
+        (the caller then works in-process). A refusal that opening again may cure (the daemon
+        restarted, the dataset moved to a new generation) is retried once after an `open`."""
+        for attempt in range(2):
+            client = self._live()
+            if client is None:
+                return None
+            try:
+                if t == "progress":
+                    return client.request_fds(t, fds=fds, **fields)
+                return client.request_fds(t, fds=fds, dataset=self.location, **fields)
+            except DaemonUnavailable:
+                self.client = None
+                return None
+            except DaemonError as e:
+                if attempt or e.code not in RETRY_CODES or not self._passing:
+                    return None
+                try:
+                    _reply, got = open_request(client, self.location)
+                    close_fds(got)
+                except KVDataError:
+                    return None
+        return None
 
-    def locate(self, entry: ShardEntry) -> tuple[Path, bool]:
-        known = self._paths.get(entry.sha256)
-        if known is not None and known[0].exists():  # still there: map it again without a round trip
-            return known                             # (if it vanishes first, the store asks again)
+    def _call(self, t: str, fds: Sequence[int] = (), **fields: Any) -> dict[str, Any] | None:
+        got = self._request(t, fds, **fields)
+        if got is None:
+            return None
+        close_fds(got[1])
+        return got[0]
+
+    # ------------------------------------------------------------ copies
+
+    def _cached(self, sha: str) -> OpenedCopy | None:
+        """A copy the daemon passed before and has not evicted since (still linked)."""
+        for other, (fd, _where) in list(self._copies.items()):  # drop evicted ones: they hold tier space
+            try:
+                gone = os.fstat(fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                del self._copies[other]
+                os.close(fd)
+        got = self._copies.get(sha)
+        if got is None:
+            return None
+        self._copies.move_to_end(sha)
+        return OpenedCopy(os.dup(got[0]), got[1])
+
+    def _keep(self, sha: str, fd: int, where: str) -> None:
+        old = self._copies.pop(sha, None)
+        if old is not None:
+            os.close(old[0])
+        self._copies[sha] = (os.dup(fd), where)
+        while len(self._copies) > KEEP_COPIES:
+            _sha, (old_fd, _w) = self._copies.popitem(last=False)
+            os.close(old_fd)
+
+    def _files(self, entries: Sequence[ShardEntry]) -> tuple[list[int], list[list[Any]]]:
+        """This reader's own descriptors of these shards' files, and [id, kind] of each."""
+        fds: list[int] = []
+        items: list[list[Any]] = []
+        for e in entries[:MAX_FDS]:
+            f = shard_file(self.location, e)
+            if f is not None:
+                fds.append(f[0])
+                items.append([e.id, f[1]])
+        return fds, items
+
+    def locate(self, entry: ShardEntry) -> tuple[Path | OpenedCopy, bool]:
+        if os.getpid() == self._pid:
+            known = self._cached(entry.sha256)
+            if known is not None:  # still staged: map it again without a round trip
+                return known, True
         t0 = time.monotonic()
-        reply = self._call("need", shard=entry.id, sha256=entry.sha256)
+        fds: list[int] = []
+        fields: dict[str, Any] = {}
+        if self._passing:
+            f = shard_file(self.location, entry)
+            if f is not None:
+                fds, fields["kind"] = [f[0]], f[1]
+        try:
+            got = self._request("need", fds, shard=entry.id, sha256=entry.sha256, **fields)
+        finally:
+            close_fds(fds)
         self.stall_seconds += time.monotonic() - t0
-        if reply is not None:
-            path, staged = Path(reply["path"]), bool(reply["staged"])
-            if not staged or path.name == names.staged_name(entry.sha256):  # the copy this manifest names
-                self._paths[entry.sha256] = (path, staged)
+        if got is not None:
+            reply, passed = got
+            staged = bool(reply.get("staged"))
+            path = Path(str(reply.get("path", "")))
+            if staged and path.name != names.staged_name(entry.sha256):  # not the copy this manifest names
+                close_fds(passed)
+            elif passed:
+                close_fds(passed[1:])
+                if staged:
+                    self._keep(entry.sha256, passed[0], str(path))
+                return OpenedCopy(passed[0], str(path)), staged
+            elif path.name:
                 return path, staged
         return self._engine().locate(self._home, entry)
 
@@ -90,12 +280,45 @@ class DaemonStager:
         if self._fallback is not None:
             self._fallback.unpin(entry.sha256)
 
+    # ------------------------------------------------------------ orders
+
     def need(self, entries: Sequence[ShardEntry]) -> None:
-        if self._call("want", shards=[[e.id, e.sha256] for e in entries]) is None:
+        fields: dict[str, Any] = {}
+        fds: list[int] = []
+        wanted = list(entries)
+        if self._passing:
+            fds, items = self._files(wanted)
+            have = {i for i, _k in items}
+            wanted = [e for e in wanted if e.id in have]
+            fields["kinds"] = [k for _i, k in items]
+        try:
+            reply = self._call("want", fds, shards=[[e.id, e.sha256] for e in wanted], **fields)
+        finally:
+            close_fds(fds)
+        if reply is None:
             self._engine().start_many(self._home, list(entries))
 
+    def _window(self, reader: str, position: int) -> tuple[list[int], list[list[Any]]]:
+        """Files of the next AHEAD shards of a reader's order not passed yet (prefetch)."""
+        if not self._passing:
+            return [], []
+        order = self._orders.get(reader, [])
+        sent = self._ahead.setdefault(reader, set())
+        todo = [e for e in order[position:position + AHEAD] if e.id not in sent]
+        fds, items = self._files(todo)
+        sent.update(i for i, _k in items)
+        return fds, items
+
     def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0) -> None:
-        if self._call("announce", reader=reader, shards=[e.id for e in entries], position=position) is None:
+        self._orders[reader] = list(entries)
+        self._ahead[reader] = set()
+        fds, items = self._window(reader, position)
+        extra: dict[str, Any] = {"ahead": items} if fds else {}
+        try:
+            reply = self._call("announce", fds, reader=reader, shards=[e.id for e in entries], position=position, **extra)
+        finally:
+            close_fds(fds)
+        if reply is None:
             self._engine().announce(reader, self._home, list(entries), position)
 
     def progress(self, reader: str, position: int) -> None:
@@ -106,7 +329,13 @@ class DaemonStager:
             return
         self._sent[reader] = (position, now)
         stall = round(self.stall_seconds, 6)
-        if self._call("progress", reader=reader, position=position, stall=stall) is None and self._fallback is not None:
+        fds, items = self._window(reader, position)
+        extra: dict[str, Any] = {"ahead": items, "dataset": self.location} if fds else {}
+        try:
+            reply = self._call("progress", fds, reader=reader, position=position, stall=stall, **extra)
+        finally:
+            close_fds(fds)
+        if reply is None and self._fallback is not None:
             self._fallback.progress(reader, position)
 
     def status(self) -> dict[str, Any]:
@@ -116,6 +345,9 @@ class DaemonStager:
     def close(self) -> None:
         if self.client is not None and os.getpid() == self._pid:
             self.client.close()
+        copies = list(self._copies.values())
+        self._copies.clear()
+        close_fds([fd for fd, _where in copies])
         if self._fallback is not None:
             self._fallback.close()
         self._home.close()

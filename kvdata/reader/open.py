@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, load_config
-from ..errors import DaemonError, ReadOnlyError
+from ..errors import ReadOnlyError
 from ..format import names
 from ..protocol import connect
 from ..store import Store
@@ -28,7 +28,7 @@ from ..tiers.engine import Engine
 from ..tiers.homes import is_url, open_home
 from ..tiers.mirror import cache_root, mirror
 from ..tiers.source import EngineSource
-from .daemon_client import DaemonStager
+from .daemon_client import DaemonStager, open_root
 
 
 def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
@@ -77,19 +77,20 @@ def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_siz
 
 
 def _open_through_daemon(loc: str, cfg: Config, copy_threads: int | None) -> Store | None:
+    """A Store whose shards come through kvdatad, or None (no daemon, or it refuses the
+    dataset -- a home not in its allow-list, a file it cannot check: stage in-process)."""
     client = connect(cfg.daemon.socket)
     if client is None:
         return None
     location = loc if is_url(loc) else str(Path(loc).resolve())
-    try:
-        reply = client.request("open", dataset=location)
-    except DaemonError:
+    root = open_root(client, location)
+    if root is None:
         client.close()
-        raise
+        return None
     home = open_home(location)
     stager = DaemonStager(client, location, home, cfg)
     try:
-        return Store(Path(reply["root"]), "r", copy_threads=copy_threads, source=stager)
+        return Store(root, "r", copy_threads=copy_threads, source=stager)
     except BaseException:
         stager.close()
         raise

@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -267,22 +268,38 @@ def _check_offsets(path: Path, rows: np.ndarray) -> None:
                 return
 
 
+@dataclass(frozen=True)
+class OpenedCopy:
+    """A verified copy handed over as an open read-only descriptor (kvdatad passes its staged
+    copies so; its tiers are not readable by clients). SealedShard takes ownership of `fd`
+    and maps it; `where` only names it in messages."""
+
+    fd: int
+    where: str
+
+
 class SealedShard:
     """A read-only memory map of one sealed shard file, shared by all reads in a process."""
 
-    __slots__ = ("path", "mm", "u8", "mv", "_env", "_fd")
+    __slots__ = ("path", "mm", "u8", "mv", "_env", "_fd", "_passed")
 
-    def __init__(self, path: Path, expected_bytes: int, hold_lock: bool = False) -> None:
+    def __init__(self, path: Path | OpenedCopy, expected_bytes: int, hold_lock: bool = False) -> None:
         """hold_lock: keep a shared flock on the file while mapped (staged copies: the
-        engine's eviction takes an exclusive one, so it never removes a shard in use)."""
-        self.path = path
+        engine's eviction takes an exclusive one, so it never removes a shard in use).
+        An OpenedCopy is mapped from its descriptor (kept open until close)."""
         self._fd: int | None = None
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise MissingShardError(
-                f"shard {path} is missing; restore it (or re-stage it) and run `kvdata verify`"
-            ) from None
+        self._passed = isinstance(path, OpenedCopy)
+        if isinstance(path, OpenedCopy):
+            self.path = Path(path.where)
+            fd = path.fd
+        else:
+            self.path = path
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise MissingShardError(
+                    f"shard {path} is missing; restore it (or re-stage it) and run `kvdata verify`"
+                ) from None
         try:
             if hold_lock:
                 fcntl.flock(fd, fcntl.LOCK_SH)
@@ -295,7 +312,7 @@ class SealedShard:
         except BaseException:
             os.close(fd)
             raise
-        if hold_lock:
+        if hold_lock or self._passed:
             self._fd = fd
         else:
             os.close(fd)
@@ -307,7 +324,15 @@ class SealedShard:
     def lmdb_value(self, slot: int) -> bytes:
         """A copy of a value read through LMDB (when the index has no offset for it)."""
         if self._env is None:
-            self._env = open_sealed_lmdb(self.path)  # held for the process's life; shards are few
+            if self._passed and self._fd is not None:  # only a descriptor: LMDB reopens it through /proc
+                try:
+                    self._env = open_sealed_lmdb(Path(f"/proc/self/fd/{self._fd}"))
+                except (lmdb.Error, OSError):
+                    raise CorruptDatasetError(
+                        f"shard {self.path}: its records' offsets are unknown and the daemon's copy can only be mapped; "
+                        "run `kvdata reindex` on the dataset") from None
+            else:
+                self._env = open_sealed_lmdb(self.path)  # held for the process's life; shards are few
         with ENVS.read(self._env) as txn:
             v = txn.get(fmt.slot_key(slot))
         if v is None:
@@ -324,6 +349,8 @@ class SealedShard:
             ENVS.release(self._env)
             self._env = None
         if self._fd is not None:
+            if self._passed:  # a passed descriptor may share its open file (and so the lock) with a kept dup
+                _unlock(self._fd)
             os.close(self._fd)
             self._fd = None
 
@@ -331,9 +358,18 @@ class SealedShard:
         fd = getattr(self, "_fd", None)
         if fd is not None:
             try:
+                if getattr(self, "_passed", False):
+                    _unlock(fd)
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _unlock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        pass
 
 
 

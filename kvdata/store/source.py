@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..format import ShardEntry
+from .shards import OpenedCopy
 
 
 class ShardSource(Protocol):
@@ -29,8 +30,9 @@ class ShardSource(Protocol):
     def stager(self) -> Any:
         """The object that stages, evicts and reports status (an Engine, or the daemon stager)."""
 
-    def locate(self, entry: ShardEntry) -> tuple[Path, bool]:
-        """(path of a complete copy, whether it is a staged copy to hold a reader lock on)."""
+    def locate(self, entry: ShardEntry) -> tuple[Path | OpenedCopy, bool]:
+        """(path of a complete copy -- or an open descriptor of one, which the caller then
+        owns --, whether it is a staged copy to hold a reader lock on)."""
 
     def mapped(self, entry: ShardEntry) -> None:
         """The reader has mapped (and reader-locked) the copy."""

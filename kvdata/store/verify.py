@@ -8,6 +8,9 @@ against the records it points to (key hashes, kinds, labels).
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
 
 import lmdb
@@ -20,7 +23,7 @@ from ..format.codec import file_sha256
 from . import index as ix
 from .facade import Store
 from .reader import check_lmdb_file
-from .shards import SealedShard, iter_lmdb_records
+from .shards import OpenedCopy, SealedShard, iter_lmdb_records
 
 
 def _check_record(v: Any) -> tuple[str | None, str | None]:
@@ -36,6 +39,16 @@ def _check_record(v: Any) -> tuple[str | None, str | None]:
     if not fmt.record_crc_ok(memoryview(v).cast("B") if not isinstance(v, memoryview) else v):
         return key, "crc32 mismatch"
     return key, None
+
+
+def _fd_sha256(fd: int) -> tuple[int, str]:
+    """(size, hex sha256) of an open file, read with pread (its offset is left alone)."""
+    h = hashlib.sha256()
+    off = 0
+    while chunk := os.pread(fd, 8 << 20, off):
+        h.update(chunk)
+        off += len(chunk)
+    return off, h.hexdigest()
 
 
 def verify_store(store: Store, *, progress: bool | None = None) -> dict[str, Any]:
@@ -61,22 +74,27 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
     try:
         for e in m.shards:
             path = reader.gen.shard_path(e)
+            opened: OpenedCopy | None = None  # a copy the daemon passed as a descriptor
             if source is not None:
                 try:
-                    path = source.locate(e)[0]
+                    located = source.locate(e)[0]
                 except KVDataError as err:
                     bad_shards.append({"shard": e.name, "problem": str(err)})
                     bar.update(e.records)
                     continue
-            if not path.exists():
+                if isinstance(located, OpenedCopy):
+                    opened, path = located, Path(located.where)
+                else:
+                    path = located
+            if opened is None and not path.exists():
                 bad_shards.append({"shard": e.name, "problem": "missing"})
                 bar.update(e.records)
                 continue
-            if not path.is_file():  # a directory, a symlink loop: nothing to hash or map
+            if opened is None and not path.is_file():  # a directory, a symlink loop: nothing to hash or map
                 bad_shards.append({"shard": e.name, "problem": "not a regular file"})
                 bar.update(e.records)
                 continue
-            size, sha = file_sha256(path)
+            size, sha = _fd_sha256(opened.fd) if opened is not None else file_sha256(path)
             if size != e.bytes or sha != e.sha256:
                 bad_shards.append({"shard": e.name, "problem": "checksum mismatch" if size == e.bytes else
                                    f"size {size} != {e.bytes}"})
@@ -87,11 +105,13 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
                 elif file_sha256(zpath) != (e.zst.bytes, e.zst.sha256):
                     bad_shards.append({"shard": e.zst.name, "problem": "checksum mismatch"})
             if size != e.bytes:
+                if opened is not None:
+                    os.close(opened.fd)
                 bar.update(e.records)
                 continue
             sid = e.id
             rows = idx.records[idx.base[sid]:idx.base[sid + 1]]
-            handle = SealedShard(path, size)
+            handle = SealedShard(opened if opened is not None else path, size)
             for slot, (off, psize, hk) in enumerate(zip(rows["offset"].tolist(), rows["size"].tolist(),
                                                          rows["head_kind"].tolist())):
                 if off == int(fmt.UNKNOWN_OFFSET):
@@ -106,6 +126,8 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
                 if problem:
                     bad_records.append({"shard": e.name, "slot": slot, "key": key, "problem": problem})
                 checked += 1
+            if opened is not None:
+                handle.close()
             bar.update(len(rows))
         tail = m.tail
         tail_path = reader.gen.tail_path

@@ -59,9 +59,11 @@ class Engine:
     """Stages shards into tiers on demand and ahead of announced orders."""
 
     def __init__(self, config: Config, *, workers: int = 3, part_size: int = 8 << 20, parts_in_flight: int = 8,
-                 prefetch: bool = True, lookahead: int = 16) -> None:
+                 prefetch: bool = True, lookahead: int = 16, verify_content: bool = False) -> None:
         """lookahead: shards fetched ahead of a reader (two windows of the default sampler);
-        the rest of each budget keeps what is needed soonest, e.g. the next epoch's first shards."""
+        the rest of each budget keeps what is needed soonest, e.g. the next epoch's first shards.
+        verify_content: hash every copy's decompressed bytes too (kvdatad: copies are shared
+        by users who do not trust each other's homes, see fetch.Fetcher)."""
         self.config = config
         self.tiers = [Tier(t) for t in config.tiers]
         for t in self.tiers:
@@ -83,7 +85,7 @@ class Engine:
         self._closed = False
         self._abort = threading.Event()
         self._fetcher = Fetcher(self._parts, part_size, parts_in_flight, self._abort,
-                                lambda n: self._count("bytes_from_home", n))
+                                lambda n: self._count("bytes_from_home", n), verify_content)
         self._plan_event = threading.Event()
         self._planner: threading.Thread | None = None
         self._planner_pid = -1
@@ -212,7 +214,7 @@ class Engine:
 
     def _stage_job(self, home: Home, entry: ShardEntry, tier: Tier, need_now: bool) -> Path:
         dest = tier.path(entry.sha256)
-        if dest.exists():
+        if tier.has(entry.sha256):
             return dest
         if not tier.healthy():
             raise TierFailedError(f"tier {tier.name!r} is unusable: {tier.problem}")
@@ -228,7 +230,7 @@ class Engine:
         sha, size = entry.sha256, entry.bytes
         dest = tier.path(sha)
         with tier.staging_lock(sha):
-            if dest.exists():
+            if tier.has(sha):
                 return dest
             if not self._make_room(tier, size, need_now):
                 raise NoRoomError(tier.name)
@@ -277,7 +279,9 @@ class Engine:
     def announce(self, reader: str, home: Home, entries: list[ShardEntry], position: int = 0) -> None:
         """A reader's shard sequence for its epoch (e.g. from ShardShuffleSampler.shard_order)."""
         for e in entries:
-            self._known.setdefault(e.sha256, _Known(home, e))
+            k = self._known.get(e.sha256)
+            if k is None or not k.home.can_stage(e.sha256):  # keep a home that can supply it
+                self._known[e.sha256] = _Known(home, e)
         with self._lock:
             self._demands[reader] = policy.Demand(tuple(e.sha256 for e in entries), position)
         if self.prefetch:
@@ -340,7 +344,7 @@ class Engine:
                 if busy >= 2 * self._workers:
                     return
                 k = self._known.get(sha)
-                if k is None or (tier.name, sha) in self._inflight:
+                if k is None or (tier.name, sha) in self._inflight or not k.home.can_stage(sha):
                     continue
                 self.stage(k.home, k.entry, tier.name)
                 busy += 1

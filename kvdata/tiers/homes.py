@@ -7,10 +7,13 @@ same layout as a local dataset, with sealed shards as `.mdb.zst` only.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import http.client
 import os
 import shutil
 import ssl
+import stat
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -18,9 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from .._util.fsutil import read_regular
 from ..errors import KVDataError, NotADatasetError, ReadOnlyError, RemoteError
 
 PART_SIZE = 8 << 20
+READ_LIMIT = 1 << 30   # default cap of Home.read (callers reading metadata pass a smaller one)
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -33,6 +38,7 @@ class Home:
 
     url: str
     writable = False
+    trusted_manifest = True   # its manifest binds compressed copies to content hashes (see PassedFiles)
 
     def local_path(self, name: str) -> Path | None:
         """A path that can be read in place, or None for remote homes."""
@@ -44,14 +50,33 @@ class Home:
     def read_range(self, name: str, start: int, length: int) -> bytes:
         raise NotImplementedError
 
-    def read(self, name: str) -> bytes:
-        return self.read_range(name, 0, -1)
+    def read(self, name: str, limit: int = READ_LIMIT) -> bytes:
+        """The whole object, streamed with a cap: RemoteError naming the URL and the limit
+        if it holds more than `limit` bytes (a home cannot make a reader hold more)."""
+        size = self.size(name)
+        if size > limit:
+            raise RemoteError(f"{self.where(name)} has {size} bytes, more than the {limit}-byte limit for it")
+        data = self.read_range(name, 0, size)
+        if len(data) != size:
+            raise RemoteError(f"{self.where(name)} changed while being read ({len(data)} of {size} bytes)")
+        return data
 
     def put_file(self, name: str, path: Path) -> None:
         raise ReadOnlyError(f"{self.url} is read-only; push to a local path or s3://")
 
     def where(self, name: str) -> str:
         return f"{self.url.rstrip('/')}/{name}"
+
+    def open_passed(self, sha: str) -> tuple[int, str] | None:
+        """A descriptor of the shard's file that a client passed (PassedFiles only)."""
+        return None
+
+    def mark_proven(self, sha: str) -> None:
+        """A verified copy of `sha` was just made from this home's own bytes."""
+
+    def can_stage(self, sha: str) -> bool:
+        """Whether this home can supply the shard now (a PassedFiles only holds some)."""
+        return True
 
     def parts(self, name: str, size: int, pool: ThreadPoolExecutor, part_size: int = PART_SIZE,
               in_flight: int = 8) -> Iterator[bytes]:
@@ -93,6 +118,14 @@ class LocalHome(Home):
                 return f.read() if length < 0 else f.read(length)
         except FileNotFoundError:
             raise RemoteError(f"{self.root / name} is missing at the home") from None
+
+    def read(self, name: str, limit: int = READ_LIMIT) -> bytes:
+        try:
+            return read_regular(self.root / name, limit)
+        except FileNotFoundError:
+            raise RemoteError(f"{self.root / name} is missing at the home") from None
+        except OSError as e:
+            raise RemoteError(f"{self.root / name}: {e.strerror or e} (the limit is {limit} bytes of a regular file)") from None
 
     def put_file(self, name: str, path: Path) -> None:
         dest = self.root / name
@@ -151,9 +184,22 @@ class S3Home(Home):
         rng = f"bytes={start}-" if length < 0 else f"bytes={start}-{start + length - 1}"
         body = self._call(self._client.get_object, name, Range=rng)["Body"]
         try:
-            return body.read()
+            data = body.read(None if length < 0 else length + 1)
         finally:
             body.close()
+        if length >= 0 and len(data) > length:
+            raise RemoteError(f"{self.where(name)}: answered more than the {length} bytes asked for")
+        return data
+
+    def read(self, name: str, limit: int = READ_LIMIT) -> bytes:
+        body = self._call(self._client.get_object, name, Range=f"bytes=0-{limit}")["Body"]
+        try:
+            data = body.read(limit + 1)
+        finally:
+            body.close()
+        if len(data) > limit:
+            raise RemoteError(f"{self.where(name)} holds more than the {limit}-byte limit for it")
+        return data
 
     def put_file(self, name: str, path: Path) -> None:
         from boto3.s3.transfer import TransferConfig
@@ -188,24 +234,33 @@ class HTTPHome(Home):
             self._local.conn = c
         return c
 
-    def _request(self, method: str, name: str, headers: dict[str, str]) -> tuple[http.client.HTTPResponse, bytes]:
+    def _request(self, method: str, name: str, headers: dict[str, str],
+                 limit: int = READ_LIMIT) -> tuple[http.client.HTTPResponse, bytes, bool]:
+        """(response, at most `limit` bytes of its body, whether more followed): a longer body
+        is never read into memory (the connection is dropped with the rest unread)."""
         path = urllib.parse.quote(f"{self._base}/{name}")
         for attempt in range(3):
             conn = self._conn()
             try:
                 conn.request(method, path, headers=headers)
                 resp = conn.getresponse()
-                body = resp.read()
-                return resp, body
+                body = resp.read(limit)
+                more = not resp.isclosed() and bool(resp.read(1))
             except (http.client.HTTPException, OSError) as e:
                 conn.close()
                 self._local.conn = None
                 if attempt == 2:
                     raise RemoteError(f"{self.where(name)}: {e}") from None
+                continue
+            if more:  # the rest stays unread: this connection cannot be reused
+                resp.close()
+                conn.close()
+                self._local.conn = None
+            return resp, body, more
         raise AssertionError("unreachable")
 
     def size(self, name: str) -> int:
-        resp, _ = self._request("HEAD", name, {})
+        resp, _, _more = self._request("HEAD", name, {})
         if resp.status == 404:
             raise RemoteError(f"{self.where(name)} does not exist (HTTP 404)")
         length = resp.getheader("Content-Length")
@@ -217,19 +272,148 @@ class HTTPHome(Home):
         if length == 0:
             return b""
         rng = f"bytes={start}-" if length < 0 else f"bytes={start}-{start + length - 1}"
-        resp, body = self._request("GET", name, {"Range": rng})
+        # a server that ignores Range answers the whole object: read only as far as needed
+        resp, body, more = self._request("GET", name, {"Range": rng}, READ_LIMIT if length < 0 else start + length)
         if resp.status == 404:
             raise RemoteError(f"{self.where(name)} does not exist (HTTP 404)")
         if resp.status == 206:
+            if more or (length >= 0 and len(body) > length):
+                raise RemoteError(f"{self.where(name)}: answered more than the {length} bytes asked for")
             return body
         if resp.status == 200:  # server ignored Range
+            if length < 0 and more:
+                raise RemoteError(f"{self.where(name)} holds more than the {READ_LIMIT}-byte limit for one read")
             return body[start:] if length < 0 else body[start:start + length]
         raise RemoteError(f"{self.where(name)}: HTTP {resp.status}")
+
+    def read(self, name: str, limit: int = READ_LIMIT) -> bytes:
+        resp, body, more = self._request("GET", name, {"Range": f"bytes=0-{limit}"}, limit)
+        if resp.status == 404:
+            raise RemoteError(f"{self.where(name)} does not exist (HTTP 404)")
+        if resp.status not in (200, 206):
+            raise RemoteError(f"{self.where(name)}: HTTP {resp.status}")
+        if more:
+            raise RemoteError(f"{self.where(name)} holds more than the {limit}-byte limit for it; not read")
+        return body
 
     def close(self) -> None:
         c = getattr(self._local, "conn", None)
         if c is not None:
             c.close()
+
+
+class PassedFiles(Home):
+    """A local dataset's shard files as descriptors its reader opened and passed to kvdatad
+    (docs/SECURITY.md): the daemon reads them, never the paths. Each descriptor is checked
+    when it is added (a regular file, opened for reading, of the manifest's size); copies
+    made from it are verified by their full sha256, as nothing here vouches for the
+    manifest. Descriptors are read with pread (their file offset is shared with the client)."""
+
+    trusted_manifest = False
+
+    def __init__(self, label: str) -> None:
+        self.url = label
+        self._fds: dict[str, tuple[int, str]] = {}   # sha256 -> (fd, "mdb" | "zst")
+        self._lock = threading.Lock()
+        self._closed = False
+        self.proven: set[str] = set()  # shards a verified copy was made from one of these descriptors
+
+    def mark_proven(self, sha: str) -> None:
+        with self._lock:
+            self.proven.add(sha)
+
+    def add(self, sha: str, fd: int, kind: str, size: int) -> None:
+        """Take ownership of `fd` as the shard `sha`'s file (kind "mdb": the shard itself,
+        "zst": its compressed copy of `size` bytes); RemoteError (fd closed) if it is not one."""
+        try:
+            check_passed_fd(fd, size, f"the descriptor passed for shard {sha[:12]}")
+        except RemoteError:
+            os.close(fd)
+            raise
+        with self._lock:
+            if self._closed:
+                os.close(fd)
+                return
+            old = self._fds.pop(sha, None)
+            self._fds[sha] = (fd, kind)
+        if old is not None:
+            os.close(old[0])
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._fds)
+
+    def has(self, sha: str) -> bool:
+        with self._lock:
+            return sha in self._fds
+
+    def drop_oldest(self, keep: int) -> None:
+        """Close descriptors beyond the `keep` most recently added."""
+        with self._lock:
+            extra = list(self._fds)[: max(0, len(self._fds) - keep)]
+            gone = [self._fds.pop(sha) for sha in extra]
+        for fd, _kind in gone:
+            os.close(fd)
+
+    def can_stage(self, sha: str) -> bool:
+        return self.has(sha)
+
+    def size(self, name: str) -> int:
+        raise RemoteError(f"{self.where(name)}: kvdatad reads this dataset only from files its reader passes")
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        raise RemoteError(f"{self.where(name)}: kvdatad reads this dataset only from files its reader passes")
+
+    def open_passed(self, sha: str) -> tuple[int, str] | None:
+        """(a dup of the descriptor, its kind), owned by the caller; None if none was passed."""
+        with self._lock:
+            got = self._fds.get(sha)
+            return (os.dup(got[0]), got[1]) if got is not None else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            fds, self._fds = list(self._fds.values()), {}
+        for fd, _kind in fds:
+            os.close(fd)
+
+
+def check_passed_fd(fd: int, size: int | None, what: str) -> os.stat_result:
+    """A descriptor a client passed must be a regular file opened for reading (of `size`
+    bytes if given); the one-line error says only that, nothing about the file."""
+    try:
+        st = os.fstat(fd)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        raise RemoteError(f"{what} is not an open file") from None
+    path_only = getattr(os, "O_PATH", 0)
+    if not stat.S_ISREG(st.st_mode) or (path_only and flags & path_only) or flags & os.O_ACCMODE == os.O_WRONLY:
+        raise RemoteError(f"{what} is not a regular file opened for reading")
+    if size is not None and st.st_size != size:
+        raise RemoteError(f"{what} does not have the size the manifest gives")
+    return st
+
+
+def pread_chunks(fd: int, size: int, chunk: int) -> Iterator[bytes]:
+    """`size` bytes of a descriptor from offset 0, without touching its shared file offset."""
+    off = 0
+    while off < size:
+        data = os.pread(fd, min(chunk, size - off), off)
+        if not data:
+            raise RemoteError(f"a passed file ended at {off} of {size} bytes")
+        off += len(data)
+        yield data
+
+
+def read_fd(fd: int, limit: int, what: str) -> bytes:
+    """A passed regular file's bytes (at most `limit`), or RemoteError."""
+    st = check_passed_fd(fd, None, what)
+    if st.st_size > limit:
+        raise RemoteError(f"{what} is larger than the {limit}-byte limit")
+    try:
+        return b"".join(pread_chunks(fd, st.st_size, 1 << 20))
+    except OSError as e:
+        raise RemoteError(f"{what} cannot be read ({errno.errorcode.get(e.errno or 0, e)})") from None
 
 
 def open_home(location: str | os.PathLike[str]) -> Home:

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
-from .._util.fsutil import atomic_write
+from .._util.fsutil import atomic_write, fsync_dir, unlink_quiet
 from ..config import Config
 from ..errors import CorruptDatasetError
 from ..format import Manifest, names, parse_manifest
 from ..format.codec import file_sha256
 from ..store.generation import read_manifest
-from .homes import Home
+from .homes import PART_SIZE, Home, check_passed_fd, pread_chunks, read_fd
 
 MIRROR_NAME_HEX = 24  # hex digits of sha256(url) naming a mirror directory
+MAX_MANIFEST_BYTES = 64 << 20  # a remote manifest (or one passed to kvdatad) may hold at most this
 
 
 def cache_root(config: Config) -> Path:
@@ -35,7 +37,7 @@ def mirror(home: Home, root: Path) -> Path:
     """Local copy of a remote dataset's manifest and index (content-checked); its directory."""
     local = mirror_dir(root, home.url)
     (local / names.INDEX_DIR).mkdir(parents=True, exist_ok=True)
-    data = home.read(names.MANIFEST)
+    data = home.read(names.MANIFEST, MAX_MANIFEST_BYTES)
     try:
         if (local / names.MANIFEST).read_bytes() == data:  # same generation, already verified
             return local
@@ -45,18 +47,114 @@ def mirror(home: Home, root: Path) -> Path:
     if m.tail.records:
         raise CorruptDatasetError(f"{home.where(names.MANIFEST)}: the dataset has unsealed records; push it again")
     sums = m.index_sha256 or {}
-    for _kind, name, _size in m.index_files():
+    for _kind, name, size in m.index_files():
         dest = local / names.INDEX_DIR / name
         want = sums.get(name)
         if dest.exists() and want and file_sha256(dest)[1] == want:
             continue
-        blob = home.read(f"{names.INDEX_DIR}/{name}")
-        if want and hashlib.sha256(blob).hexdigest() != want:
-            raise CorruptDatasetError(f"{home.where(names.INDEX_DIR + '/' + name)} does not match its checksum; "
-                                      "push the dataset again")
-        atomic_write(dest, blob)
+        fetch_exact(home, f"{names.INDEX_DIR}/{name}", size, want, dest)
     (local / names.SHARDS_DIR).mkdir(exist_ok=True)
     (local / names.SOURCE).write_text(json.dumps({"url": home.url}))
+    atomic_write(local / names.MANIFEST, data)
+    return local
+
+
+def fetch_exact(home: Home, name: str, size: int, sha: str | None, dest: Path) -> None:
+    """Stream exactly the `size` bytes the manifest gives (no more is ever asked for or
+    held: parts of PART_SIZE) into `dest`, checked against `sha`; atomically."""
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            for off in range(0, size, PART_SIZE):
+                n = min(PART_SIZE, size - off)
+                part = home.read_range(name, off, n)
+                if len(part) != n:
+                    raise CorruptDatasetError(f"{home.where(name)} is shorter than the {size} bytes its manifest gives; "
+                                              "push the dataset again")
+                h.update(part)
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        if sha and h.hexdigest() != sha:
+            raise CorruptDatasetError(f"{home.where(name)} does not match its checksum; push the dataset again")
+        os.replace(tmp, dest)
+    except BaseException:
+        unlink_quiet(tmp)
+        raise
+    fsync_dir(dest.parent)
+
+
+def _copy_fd(fd: int, size: int, sha: str | None, dest: Path, where: str) -> None:
+    """`size` bytes of a passed file into `dest` (streamed, checked against `sha`), atomically."""
+    check_passed_fd(fd, size, where)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in pread_chunks(fd, size, 1 << 20):
+                h.update(chunk)
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        if sha and h.hexdigest() != sha:
+            raise CorruptDatasetError(f"{where} does not match its manifest's checksum; open the dataset again")
+        os.replace(tmp, dest)
+    except BaseException:
+        unlink_quiet(tmp)
+        raise
+
+
+def manifest_from_fd(fd: int, where: str) -> Manifest:
+    """A manifest from a descriptor a client passed (a regular file of at most
+    MAX_MANIFEST_BYTES), validated like any other."""
+    return parse_manifest(read_fd(fd, MAX_MANIFEST_BYTES, where), where)
+
+
+def open_mirror_files(root: Path) -> list[tuple[str, int]]:
+    """Read-only descriptors of what a reader of a mirror needs -- its manifest, then the
+    index files that very manifest names -- as (name relative to the mirror, fd)."""
+    out: list[tuple[str, int]] = []
+    try:
+        fd = os.open(root / names.MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        out.append((names.MANIFEST, fd))
+        m = manifest_from_fd(fd, str(root / names.MANIFEST))
+        for _kind, name, _size in m.index_files():
+            rel = f"{names.INDEX_DIR}/{name}"
+            out.append((rel, os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)))
+    except BaseException:
+        for _name, fd in out:
+            os.close(fd)
+        raise
+    return out
+
+
+def mirror_from_fds(files: list[tuple[str, int]], root: Path, url: str) -> Path:
+    """A reader's own copy of the mirror kvdatad passed as descriptors (when the daemon's
+    tier is not readable by this uid): the manifest is parsed and every index file checked
+    against it (size, and sha256 where push recorded one) before the manifest is written."""
+    by_name = dict(files)
+    mfd = by_name.get(names.MANIFEST)
+    if mfd is None:
+        raise CorruptDatasetError(f"{url}: kvdatad passed no manifest")
+    data = read_fd(mfd, MAX_MANIFEST_BYTES, f"{url} manifest from kvdatad")
+    local = mirror_dir(root, url)
+    try:
+        if (local / names.MANIFEST).read_bytes() == data:
+            return local
+    except FileNotFoundError:
+        pass
+    m = parse_manifest(data, f"{url}/{names.MANIFEST}")
+    (local / names.INDEX_DIR).mkdir(parents=True, exist_ok=True)
+    sums = m.index_sha256 or {}
+    for _kind, name, size in m.index_files():
+        rel = f"{names.INDEX_DIR}/{name}"
+        fd = by_name.get(rel)
+        if fd is None:
+            raise CorruptDatasetError(f"{url}: kvdatad passed no {rel}")
+        _copy_fd(fd, size, sums.get(name), local / rel, f"{url}/{rel} from kvdatad")
+    (local / names.SHARDS_DIR).mkdir(exist_ok=True)
+    (local / names.SOURCE).write_text(json.dumps({"url": url}))
     atomic_write(local / names.MANIFEST, data)
     return local
 
@@ -66,4 +164,6 @@ def mirrored_manifest(root: Path) -> Manifest:
     return read_manifest(root)
 
 
-__all__ = ["cache_root", "mirror", "mirror_dir", "mirrored_manifest", "read_manifest"]
+__all__ = ["cache_root", "fetch_exact", "manifest_from_fd", "mirror", "mirror_dir", "mirror_from_fds", "mirrored_manifest",
+           "open_mirror_files",
+           "read_manifest"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,7 +61,12 @@ class Tier:
         return self.dir / names.staged_name(sha)
 
     def has(self, sha: str) -> bool:
-        return os.path.exists(self.dir / names.staged_name(sha))
+        """A copy under this name that this uid staged: a regular file it owns (a symlink
+        or a file planted by another user is never served, counted or evicted)."""
+        try:
+            return _ours(os.lstat(self.dir / names.staged_name(sha)))
+        except OSError:
+            return False
 
     def resident(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -70,9 +76,11 @@ class Tier:
                     sha = names.parse_staged_name(e.name)
                     if sha is not None:
                         try:
-                            out[sha] = e.stat(follow_symlinks=False).st_size
+                            st = e.stat(follow_symlinks=False)
                         except FileNotFoundError:
-                            pass
+                            continue
+                        if _ours(st):
+                            out[sha] = st.st_size
         except FileNotFoundError:
             pass
         return out
@@ -103,8 +111,8 @@ class Tier:
         out = set()
         for sha in shas:
             try:
-                fd = os.open(self.path(sha), os.O_RDONLY)
-            except FileNotFoundError:
+                fd = os.open(self.path(sha), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -118,8 +126,10 @@ class Tier:
         """Delete a copy unless a reader holds it (shared flock) or it was staged less than
         `grace` seconds ago (a reader in another process may be about to map it); True if gone."""
         p = self.path(sha)
+        if not self.has(sha):
+            return True
         try:
-            fd = os.open(p, os.O_RDONLY)
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return True
         if grace and time.time() - os.fstat(fd).st_mtime < grace:
@@ -140,12 +150,16 @@ class Tier:
     def staging_lock(self, sha: str) -> Iterator[None]:
         """Cross-process: one stager per shard per tier; others wait and then find it staged."""
         self.locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.locks / f"{sha}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(self.locks / f"{sha}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
+
+
+def _ours(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def _pid_alive(pid: int) -> bool:
