@@ -54,6 +54,7 @@ MAX_READER = 256
 MAX_WANT = 4096          # shards one `want` may name
 HELD_PER_DATASET = 32    # descriptors of one dataset a connection's requests leave with the daemon (LRU)
 PASSED_DATASETS = 4      # datasets per connection with descriptors held
+UID_DATASETS = 32        # datasets one unprivileged uid has open from passed manifests (least recent dropped)
 PROOFS = 65536           # file identities remembered as holding a shard's content
 OPEN_ATTEMPTS = 3        # a staged copy may be evicted between locate and open
 INTERNAL = Peer(0, 0, 0, True)
@@ -352,7 +353,11 @@ class Service:
             key = _passed_key(st.peer.uid, loc)
             ds = OpenDataset(loc, PassedFiles(loc), Path(loc), m, owner=st.peer.uid, users={st.peer.uid})
             with self._lock:
-                self.datasets[key] = ds
+                self.datasets.pop(key, None)
+                self.datasets[key] = ds  # most recent last
+                mine = [k for k, d in self.datasets.items() if d.owner == st.peer.uid]
+                for old in mine[: max(0, len(mine) - UID_DATASETS)]:  # a uid cannot grow the daemon without bound
+                    del self.datasets[old]
             return {"root": loc, "generation": m.generation, "shards": len(m.shards)}
         ds = self._shared(loc, st.peer.uid)
         reply: dict[str, Any] = {"root": str(ds.root), "generation": ds.manifest.generation,

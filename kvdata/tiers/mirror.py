@@ -21,7 +21,7 @@ from ..store.generation import read_manifest
 from .homes import PART_SIZE, Home, check_passed_fd, pread_chunks, read_fd
 
 MIRROR_NAME_HEX = 24  # hex digits of sha256(url) naming a mirror directory
-MAX_MANIFEST_BYTES = 64 << 20  # a remote manifest (or one passed to kvdatad) may hold at most this
+MAX_MANIFEST_BYTES = 16 << 20  # a remote manifest (or one passed to kvdatad): ~50,000 shards fit
 
 
 def cache_root(config: Config) -> Path:

@@ -572,6 +572,19 @@ def test_a_thousand_idle_connections_exhausted_the_daemon(trust: Trust) -> None:
 
 
 @needs_users
+def test_one_uid_cannot_grow_the_daemon_with_opened_datasets(trust: Trust) -> None:
+    ds = trust.dataset(trust.b, "mine", n=24)
+    d = trust.kit.daemon()
+    m = str(ds / "manifest.json")
+    calls = [("open", {"dataset": f"{loc(ds)}-alias-{i}"}, [m]) for i in range(40)] + [("status", {}, [])]
+    got = as_user(trust.b, client_calls, str(trust.kit.sock), calls)
+    assert all(isinstance(g, dict) and g["ok"] for g in got), got[:3]
+    names = [x["dataset"] for x in got[-1]["datasets"]]
+    assert len(names) == 32 and names[-1].endswith("-alias-39"), names
+    assert d.terminate() == 0
+
+
+@needs_users
 def test_reload_by_an_unprivileged_uid_is_refused(trust: Trust) -> None:
     d = trust.kit.daemon()
     got = as_user(trust.b, client_calls, str(trust.kit.sock), [("reload", {}, []), ("hello", {"version": 2}, [])])
