@@ -307,9 +307,9 @@ class Reader:
                 raise CorruptDatasetError(f"shard {path} cannot be read ({e.strerror or e}); restore it and run "
                                           "`kvdata verify`") from None
         for attempt in range(LOCATE_ATTEMPTS):
-            copy, staged = self.source.locate(entry)  # a path, or a descriptor the daemon passed
+            path, staged = self.source.locate(entry)
             try:
-                h = SealedShard(copy, entry.bytes, hold_lock=staged)
+                h = SealedShard(path, entry.bytes, hold_lock=staged)
                 self.source.mapped(entry)
                 return h
             except MissingShardError:

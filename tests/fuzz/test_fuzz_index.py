@@ -216,3 +216,16 @@ def test_tail_that_is_a_symlink_is_refused_and_nothing_is_written_beside_its_tar
     with kvdata.open(ds) as s, pytest.raises(CorruptDatasetError, match="symbolic link"):
         s.get_many([len(s) - 1])
     assert ctx.sandbox.escapes() == []
+
+
+def test_tail_lock_file_that_is_a_symlink_is_refused_and_its_target_left_alone(ctx: fl.Ctx) -> None:
+    """LMDB opened `<tail>-lock` through a planted link and wrote its reader table into the target."""
+    lock = _tail(ctx.dataset).name + "-lock"
+    ds = fl.fresh_copy(ctx, [fl.Damage(f"shards/{lock}", "symlink-out")])
+    before = (ctx.sandbox.parent / "bystander.txt").read_bytes()
+    with kvdata.open(ds) as s:
+        with pytest.raises(CorruptDatasetError, match="symbolic link"):
+            s.get_many([len(s) - 1])
+        assert not verify_store(s)["ok"]
+    assert (ctx.sandbox.parent / "bystander.txt").read_bytes() == before
+    assert ctx.sandbox.escapes() == []
