@@ -307,9 +307,9 @@ class Reader:
                 raise CorruptDatasetError(f"shard {path} cannot be read ({e.strerror or e}); restore it and run "
                                           "`kvdata verify`") from None
         for attempt in range(LOCATE_ATTEMPTS):
-            path, staged = self.source.locate(entry)
+            copy, staged = self.source.locate(entry)  # a path, or a descriptor the daemon passed
             try:
-                h = SealedShard(path, entry.bytes, hold_lock=staged)
+                h = SealedShard(copy, entry.bytes, hold_lock=staged)
                 self.source.mapped(entry)
                 return h
             except MissingShardError:
@@ -405,14 +405,17 @@ _LMDB_META = struct.Struct("<II16x I 92x QQ")  # magic, version, page size (free
 
 
 def check_lmdb_file(path: Path) -> None:
-    """CorruptDatasetError unless `path` can be handed to LMDB: not a symbolic link (LMDB would put
-    its lock file, and its reader slots, beside the link's target, outside the dataset), and not
-    shorter than its newest meta page says (LMDB maps it whole and would die of SIGBUS on the
-    first page past the end; the metas are read before the size, so a writer growing the file
-    meanwhile never makes it look short). FileNotFoundError if it is missing."""
-    if path.is_symlink():
-        raise CorruptDatasetError(f"{path} is a symbolic link, not a file of the dataset; remove it and run "
-                                  "`kvdata verify`")
+    """CorruptDatasetError unless `path` can be handed to LMDB: neither it nor its `-lock` file a
+    symbolic link (LMDB would create or overwrite the lock file, its reader table, wherever a
+    link points, outside the dataset), a regular file, and not shorter than its newest meta page
+    says (LMDB maps it whole and would die of SIGBUS on the first page past the end; the metas
+    are read before the size, so a writer growing the file meanwhile never makes it look short).
+    FileNotFoundError if it is missing."""
+    lock = path.with_name(names.lmdb_lock_name(path.name))  # LMDB opens (and writes) it, following links
+    for p in (path, lock):
+        if p.is_symlink():
+            raise CorruptDatasetError(f"{p} is a symbolic link, not a file of the dataset; remove it and run "
+                                      "`kvdata verify`")
     if not stat.S_ISREG(path.stat().st_mode):
         raise CorruptDatasetError(f"{path} is not a regular file; remove it and run `kvdata verify`")
     with open(path, "rb") as f:
