@@ -43,8 +43,9 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def write_at(path: Path, offset: int, data: bytes | memoryview) -> None:
-    """Write `data` at `offset` of `path` (created if missing) and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    """Write `data` at `offset` of `path` (created if missing) and fsync it. A symbolic link at
+    `path` is refused (OSError ELOOP), never written through."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         mv = memoryview(data).cast("B")
         done = 0

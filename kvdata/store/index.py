@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -156,9 +157,15 @@ def append_rows(path: Path, start_row: int, rows: np.ndarray) -> None:
         write_at(path, 0, b"")
 
 
+def _create(path: Path) -> BinaryIO:
+    """A new index file opened for writing; a symbolic link planted at its name is refused (ELOOP),
+    never written through."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "wb")
+
+
 def write_new(path: Path, rows: np.ndarray) -> None:
     """A whole new index file (not yet referenced by any manifest), fsync'ed."""
-    with open(path, "wb") as f:
+    with _create(path) as f:
         f.write(np.ascontiguousarray(rows).data.cast("B"))
         f.flush()
         os.fsync(f.fileno())
@@ -166,7 +173,7 @@ def write_new(path: Path, rows: np.ndarray) -> None:
 
 def write_key_run(path: Path, hashes: np.ndarray, pos: np.ndarray) -> int:
     order = np.argsort(hashes, kind="stable")
-    with open(path, "wb") as f:
+    with _create(path) as f:
         f.write(np.ascontiguousarray(hashes[order], dtype=fmt.HASH_DTYPE).tobytes())
         f.write(np.ascontiguousarray(pos[order], dtype=fmt.POS_DTYPE).tobytes())
         f.flush()

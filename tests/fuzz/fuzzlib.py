@@ -14,6 +14,7 @@ Targets (their `name` is what tests and bench/fuzz.py report):
 - manifest_json   parse_manifest / manifest_from_json on random JSON and mutated valid manifests
 - manifest_store  a mutated manifest in a real dataset: open, reads, verify, mirror, a writer
 - index_files     damaged, truncated, garbage index files: open, get/find/keys/describe/verify
+- index_writer    a writer (put, delete, seal, commit) on damaged index files, tails and planted links
 - shard_records   damaged sealed shards (record bytes, sizes) and tails (LMDB file, lock file)
 - cli             `kvdata get/ls/rm/info/verify` (in process) on damaged index and manifest files
 - protocol_frame  decode_body / encode round trips on random, truncated and huge-container frames
@@ -754,6 +755,27 @@ def gen_index_files(rng: random.Random, ctx: Ctx) -> list[Damage]:
 @runner("index_files")
 def run_index_files(damages: list[Damage], ctx: Ctx) -> None:
     exercise(fresh_copy(ctx, damages), ctx.keys)
+
+
+@target("index_writer", files=True, weight=3)
+def gen_index_writer(rng: random.Random, ctx: Ctx) -> list[Damage]:
+    rels = files_of(ctx.dataset, "index") + [r for r in files_of(ctx.dataset, "shards") if "tail" in r]
+    return [gen_damage(rng, ctx, rng.choice(rels)) for _ in range(rng.choice((1, 1, 2)))]
+
+
+@runner("index_writer")
+def run_index_writer(damages: list[Damage], ctx: Ctx) -> None:
+    """A writer on a dataset whose index (or tail) is damaged or holds planted links: it appends,
+    deletes (a rewrite), seals and commits -- or refuses with a KVDataError; it never writes
+    through a link to outside the dataset."""
+    ds = fresh_copy(ctx, damages)
+    with kvdata.open(ds, "a") as w:
+        w.put("fuzz-new", b"x" * 100)
+        with contextlib.suppress(KeyError):  # (the damage may have hidden it: delete of a missing key)
+            allowed(lambda: w.delete("k3"))
+        w.seal()
+        w.put("fuzz-tail", {"a": np.ones(2)})
+        w.commit()
 
 
 @target("shard_records", files=True, weight=8)

@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvdata
-from kvdata.errors import CorruptDatasetError
+from kvdata.errors import CorruptDatasetError, KVDataError
 from kvdata.format import record as rec
 from kvdata.store import index as ix
 from kvdata.store.verify import verify_store
@@ -228,4 +228,29 @@ def test_tail_lock_file_that_is_a_symlink_is_refused_and_its_target_left_alone(c
             s.get_many([len(s) - 1])
         assert not verify_store(s)["ok"]
     assert (ctx.sandbox.parent / "bystander.txt").read_bytes() == before
+    assert ctx.sandbox.escapes() == []
+
+
+@pytest.mark.parametrize("name", ["records", "samples", "keys"])
+def test_writer_never_writes_index_rows_through_a_planted_symlink(ctx: fl.Ctx, name: str) -> None:
+    """Appends wrote rows in place with open(O_WRONLY | O_CREAT), following a link planted at an
+    index file's name into a file outside the dataset; now the link is refused (ELOOP: the commit
+    fails and the dataset is unchanged) or the commit writes new files, never the link's target."""
+    ds = fl.fresh_copy(ctx, [])
+    (real,) = [p for p in sorted((ds / "index").glob(f"{name}-*.bin"))][:1]
+    victim = ctx.sandbox.parent / f"victim-{real.name}"
+    victim.write_bytes(real.read_bytes())
+    real.unlink()
+    real.symlink_to(victim)
+    ctx.sandbox.snapshot()
+    before = victim.read_bytes()
+    try:
+        with kvdata.open(ds, "a") as w:
+            w.put("new-a", b"x" * 100)
+            w.seal()
+            w.put("new-b", b"y")
+            w.commit()
+    except KVDataError:
+        pass
+    assert victim.read_bytes() == before
     assert ctx.sandbox.escapes() == []
