@@ -167,6 +167,8 @@ BENCHES: list[Bench] = [
           requires=lambda: _torch() or netlab_missing(), plot="staging_network"),
     Bench("daemon", "daemon.py", ["--quick"], [], requires=_daemon_missing, plot="daemon"),
     Bench("shuffle_quality", "shuffle_quality.py", ["--quick"], [], plot="shuffle_quality"),
+    Bench("fuzz", "fuzz.py", ["--quick"], [],
+          requires=needs_modules("google.protobuf", "PIL", hint="the Caffe targets; pip install -e '.[test]'")),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 
