@@ -28,7 +28,7 @@ MAX_COUNT = 1 << 48      # samples, records, bytes: far above anything real, far
 MAX_SHARDS = 1 << 24
 MAX_KEY_RUNS = 256
 _KNOWN = {"format", "version", "generation", "shard_size", "compress", "count", "shards", "tail", "index",
-          "fields", "classes", "index_sha256"}
+          "fields", "classes", "index_sha256", "incarnation"}
 
 
 class _ItemAccess:
@@ -106,6 +106,7 @@ class Manifest(_ItemAccess):
     fields: dict[str, dict[str, Any]] = field(default_factory=dict)
     classes: tuple[str, ...] = ()
     index_sha256: dict[str, str] | None = None  # set by push: checksums of the trimmed index files
+    incarnation: int = 0  # the generation a "w" rewrite started at; part of every shard/tail name
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys of a newer minor writer, kept as is
 
@@ -141,6 +142,7 @@ class Manifest(_ItemAccess):
                       "keys": [{"name": k.name, "count": k.count} for k in self.index.keys]},
             "fields": self.fields,
             "classes": list(self.classes),
+            "incarnation": self.incarnation,
         })
         if self.index_sha256 is not None:
             out["index_sha256"] = dict(self.index_sha256)
@@ -153,9 +155,10 @@ def _shard_json(s: ShardEntry) -> dict[str, Any]:
 
 
 def new_manifest(shard_size: int, compress: bool, generation: int = 0) -> Manifest:
-    """An empty dataset's first generation."""
+    """An empty dataset's first generation; a dataset started again at generation G > 0 is
+    incarnation G, so none of its file names was ever used by an earlier incarnation."""
     return Manifest(generation=generation, count=0, shard_size=int(shard_size), compress=bool(compress), shards=(),
-                    tail=TailEntry(0, names.tail_name(0), 0), index=IndexFiles())
+                    tail=TailEntry(0, names.tail_name(0, generation), 0), index=IndexFiles(), incarnation=generation)
 
 
 def dump_manifest(m: Manifest | Mapping[str, Any]) -> bytes:
@@ -234,15 +237,17 @@ def _sha(v: Any, what: str) -> str:
     return str(v)
 
 
-def _shard(i: int, s: Any) -> ShardEntry:
+def _shard(i: int, s: Any, incarnation: int) -> ShardEntry:
     if not isinstance(s, dict):
         raise _Bad(f"shard entry {i} is not an object")
     sid = _int(s.get("id"), f"shards[{i}].id", MAX_SHARDS)
     name = s.get("name")
     if not isinstance(name, str):
         raise _Bad(f"shards[{i}].name is {_show(name)}, not a file name")
-    if sid != i or names.parse_shard_name(name) != sid:
-        raise _Bad(f"shards[{i}] has id {sid} and name {str(name)[:60]!r}; expected {names.shard_name(i)!r}")
+    parsed = names.parse_shard_name(name)
+    if sid != i or parsed is None or parsed != (sid, incarnation):
+        raise _Bad(f"shards[{i}] has id {sid} and name {str(name)[:60]!r}; "
+                   f"expected {names.shard_name(i, incarnation)!r}")
     zst = None
     z = s.get("zst")
     if z is not None:
@@ -290,16 +295,18 @@ def manifest_from_json(m: Any, where: str) -> Manifest:
         shards = m.get("shards")
         if not isinstance(shards, list) or len(shards) > MAX_SHARDS:
             raise _Bad("shards must be a list")
-        entries = tuple(_shard(i, s) for i, s in enumerate(shards))
+        incarnation = _int(m.get("incarnation", 0), "incarnation")
+        entries = tuple(_shard(i, s, incarnation) for i, s in enumerate(shards))
         t = m.get("tail")
         if not isinstance(t, dict):
             raise _Bad("tail is not an object")
         tid = _int(t.get("id"), "tail.id", MAX_SHARDS)
         if not isinstance(t.get("name"), str):
             raise _Bad(f"tail.name is {_show(t.get('name'))}, not a file name")
-        if t.get("name") != names.tail_name(tid) or tid < len(entries):
+        parsed = names.parse_tail_name(t.get("name"))
+        if parsed != (tid, incarnation) or tid < len(entries):
             raise _Bad(f"tail {str(t.get('name'))[:60]!r} (id {tid}) does not follow the sealed shards")
-        tail = TailEntry(tid, names.tail_name(tid), _int(t.get("records"), "tail.records"))
+        tail = TailEntry(tid, str(t["name"]), _int(t.get("records"), "tail.records"))
         fields = m.get("fields") or {}
         classes = m.get("classes") or []
         if not isinstance(fields, dict) or not isinstance(classes, list):
@@ -320,7 +327,7 @@ def manifest_from_json(m: Any, where: str) -> Manifest:
             generation=_int(m.get("generation"), "generation"), count=_int(m.get("count"), "count"),
             shard_size=_int(m.get("shard_size"), "shard_size"), compress=compress, shards=entries, tail=tail,
             index=_index(m.get("index")), fields=fields, classes=tuple(str(c) for c in classes),
-            index_sha256=sums, version=version, extra={k: v for k, v in m.items() if k not in _KNOWN})
+            index_sha256=sums, incarnation=incarnation, version=version, extra={k: v for k, v in m.items() if k not in _KNOWN})
     except _Bad as e:
         raise CorruptDatasetError(f"{where}: manifest has a bad field ({e}); run `kvdata reindex`") from None
 

@@ -11,6 +11,13 @@ Dataset layout::
     index/samples-GGGGGGGG.bin  records-GGGGGGGG.bin  keys-GGGGGGGG-NN.bin
     shards/NNNNNN.mdb  NNNNNN.mdb.zst  tail-NNNNNN.mdb (+ tail-NNNNNN.mdb-lock)
 
+A name is never reused for different bytes: a dataset written again from empty
+(mode "w") starts a new *incarnation* (the generation it started at), and the
+shard and tail files of incarnation I > 0 carry it: ``NNNNNN-iIIIIIIII.mdb``,
+``tail-NNNNNN-iIIIIIIII.mdb``. Index file names carry their generation, and
+generations only grow. So a reader still on an old generation can only ever open
+old bytes, or find them gone.
+
 A tier directory holds staged copies named by content: ``<sha256>.mdb``.
 """
 
@@ -26,21 +33,25 @@ SHARDS_DIR = "shards"
 INDEX_DIR = "index"
 SOURCE = "source.json"  # an index mirror's note of the URL it mirrors
 
-_SHARD = re.compile(r"(\d{6,9})\.mdb")
-_TAIL = re.compile(r"tail-(\d{6,9})\.mdb")
-_ZST = re.compile(r"(\d{6,9})\.mdb\.zst")
+_SHARD = re.compile(r"(\d{6,9})(?:-i(\d{8,10}))?\.mdb")
+_TAIL = re.compile(r"tail-(\d{6,9})(?:-i(\d{8,10}))?\.mdb")
+_ZST = re.compile(r"(\d{6,9})(?:-i(\d{8,10}))?\.mdb\.zst")
 _INDEX = re.compile(r"(samples|records|keys)-(\d{8,10})(?:-(\d{2,3}))?\.bin")
 _STAGED = re.compile(r"([0-9a-f]{64})\.mdb")
 
 
-def shard_name(shard_id: int) -> str:
-    """File name of sealed shard `shard_id`."""
-    return f"{shard_id:06d}.mdb"
+def _inc(incarnation: int) -> str:
+    return f"-i{incarnation:08d}" if incarnation else ""
 
 
-def tail_name(shard_id: int) -> str:
+def shard_name(shard_id: int, incarnation: int = 0) -> str:
+    """File name of sealed shard `shard_id` of a dataset incarnation."""
+    return f"{shard_id:06d}{_inc(incarnation)}.mdb"
+
+
+def tail_name(shard_id: int, incarnation: int = 0) -> str:
     """File name of the open tail that will become shard `shard_id`."""
-    return f"tail-{shard_id:06d}.mdb"
+    return f"tail-{shard_id:06d}{_inc(incarnation)}.mdb"
 
 
 def lmdb_lock_name(lmdb_name: str) -> str:
@@ -80,16 +91,16 @@ def temp_name(final: str, tag: str) -> str:
 # ---------------------------------------------------------------- parsing (names from outside)
 
 
-def parse_shard_name(name: object) -> int | None:
-    """Shard id of a sealed shard file name, or None if `name` is not one."""
+def parse_shard_name(name: object) -> tuple[int, int] | None:
+    """(shard id, incarnation) of a sealed shard file name, or None if `name` is not one."""
     m = _SHARD.fullmatch(name) if isinstance(name, str) else None
-    return int(m.group(1)) if m else None
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
-def parse_tail_name(name: object) -> int | None:
-    """Shard id of a tail file name, or None."""
+def parse_tail_name(name: object) -> tuple[int, int] | None:
+    """(shard id, incarnation) of a tail file name, or None."""
     m = _TAIL.fullmatch(name) if isinstance(name, str) else None
-    return int(m.group(1)) if m else None
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def is_zst_name(name: object) -> bool:

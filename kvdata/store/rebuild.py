@@ -57,20 +57,21 @@ class _Collector:
                 self._last = sch
 
 
-def _discover(root: Path) -> tuple[list[int], int | None]:
-    """Sealed shard ids and the tail id found on disk (when the manifest is lost)."""
-    sealed, tails = [], []
-    for p in (root / names.SHARDS_DIR).iterdir():
-        if (sid := names.parse_shard_name(p.name)) is not None:
-            sealed.append(sid)
-        elif (tid := names.parse_tail_name(p.name)) is not None:
-            tails.append(tid)
+def _discover(root: Path) -> tuple[list[int], int | None, int]:
+    """Sealed shard ids, the tail id and the incarnation found on disk (when the manifest is lost).
+
+    Files of an older incarnation (a dataset written again with mode "w") are left alone."""
+    found = [(names.parse_shard_name(p.name), names.parse_tail_name(p.name))
+             for p in (root / names.SHARDS_DIR).iterdir()]
+    incarnation = max((x[1] for pair in found for x in pair if x is not None), default=0)
+    sealed = [s[0] for s, _t in found if s is not None and s[1] == incarnation]
+    tails = [t[0] for _s, t in found if t is not None and t[1] == incarnation]
     sealed.sort()
     if sealed != list(range(len(sealed))):
         missing = sorted(set(range(max(sealed) + 1)) - set(sealed))
         raise CorruptDatasetError(f"{root / 'shards'}: sealed shard(s) {missing} are missing; restore them, then reindex")
     tail = max(tails) if tails else None
-    return sealed, tail
+    return sealed, tail, incarnation
 
 
 def reindex(path: str | os.PathLike[str], *, progress: bool | None = None) -> dict[str, Any]:
@@ -95,13 +96,14 @@ def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
         entries = list(m.shards)
         tail_id, tail_records = m.tail.id, m.tail.records
         shard_size, compress = m.shard_size, m.compress
+        incarnation = m.incarnation
     else:
-        ids, found_tail = _discover(root)
-        entries = [_entry_from_disk(shards_dir, i) for i in ids]
+        ids, found_tail, incarnation = _discover(root)
+        entries = [_entry_from_disk(shards_dir, i, incarnation) for i in ids]
         tail_id = len(ids)
         if found_tail is not None and found_tail != tail_id:
-            raise CorruptDatasetError(f"{shards_dir}: {names.tail_name(found_tail)} does not follow the sealed shards; "
-                                      "restore the shards")
+            raise CorruptDatasetError(f"{shards_dir}: {names.tail_name(found_tail, incarnation)} does not follow "
+                                      "the sealed shards; restore the shards")
         tail_records = -1  # unknown: keep every record in the tail
         shard_size = DEFAULT_SHARD_SIZE
         compress = any(e.zst for e in entries) or not entries
@@ -120,7 +122,7 @@ def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
                 raise CorruptDatasetError(f"shard {path} holds {len(rows)} records, the manifest says {e.records}; restore it")
             record_rows.append(rows)
             bar.update(len(rows))
-        tail_path = shards_dir / names.tail_name(tail_id)
+        tail_path = shards_dir / (m.tail.name if m else names.tail_name(tail_id, incarnation))
         tail_n = 0
         if tail_path.exists():
             env = open_tail_for_write(tail_path, shard_size)
@@ -152,7 +154,7 @@ def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
     base = m if m else fmt.new_manifest(shard_size, compress)
     new_m = base.replace(
         generation=gen, count=int(len(samples)), shards=tuple(entries),
-        tail=TailEntry(tail_id, names.tail_name(tail_id), tail_n),
+        tail=TailEntry(tail_id, tail_path.name, tail_n), incarnation=incarnation,
         index=IndexFiles(files["samples"], files["records"], int(len(records)),
                          (KeyRunEntry(files["keys"], int(len(samples))),)),
         fields=collect.schema if not m else (m.fields or collect.schema),
@@ -165,8 +167,8 @@ def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
             "records": int(len(collect.hash)), "manifest_rebuilt": m is None}
 
 
-def _entry_from_disk(shards_dir: Path, shard_id: int) -> ShardEntry:
-    path = shards_dir / names.shard_name(shard_id)
+def _entry_from_disk(shards_dir: Path, shard_id: int, incarnation: int) -> ShardEntry:
+    path = shards_dir / names.shard_name(shard_id, incarnation)
     size, sha = file_sha256(path)
     env = open_sealed_lmdb(path)
     try:

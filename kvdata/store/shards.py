@@ -86,7 +86,12 @@ class EnvRegistry:
                 return slot[0]
             if not create and not os.path.exists(key):
                 raise FileNotFoundError(errno.ENOENT, "no such shard file", str(path))
-            env = _open_sealed(key) if sealed else _open_tail(key, shard_size, create)
+            if sealed:
+                env = _open_sealed(key)
+            elif create:
+                env = _open_tail(key, shard_size, create)
+            else:
+                env = _open_existing_tail(key, shard_size)
             self._envs[key] = [env, 1]
             return env
 
@@ -137,6 +142,34 @@ def _open_tail(path: str, shard_size: int, create: bool) -> lmdb.Environment:
                          max_spare_txns=0, create=False)
 
 
+def _open_existing_tail(path: str, shard_size: int) -> lmdb.Environment:
+    """A reader's view of a tail that a writer may seal and remove at any moment.
+
+    LMDB creates the file it is asked to open, so a reader racing a writer's seal could
+    re-create an empty tail and fail on it. The reader pins the inode first; if LMDB ended up
+    on another file, that file was created by this open (tail names are never reused), so it
+    is removed again and the reader goes to the sealed shard instead."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no such shard file", path) from None
+    try:
+        pinned = os.fstat(fd).st_ino
+        env = _open_tail(path, shard_size, create=False)
+        try:
+            now = os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            return env  # sealed and removed after we opened it: the env still reads the old file
+        if now == pinned:
+            return env
+        env.close()
+        unlink_quiet(Path(path))
+        unlink_quiet(Path(names.lmdb_lock_name(path)))
+        raise FileNotFoundError(errno.ENOENT, "the tail was sealed while it was opened", path)
+    finally:
+        os.close(fd)
+
+
 def _open_sealed(path: str) -> lmdb.Environment:
     """LMDB view of an immutable shard: no lock file, so it works on read-only copies."""
     return lmdb.open(path, subdir=False, readonly=True, lock=False, create=False,
@@ -144,7 +177,12 @@ def _open_sealed(path: str) -> lmdb.Environment:
 
 
 def open_tail_for_write(path: Path, shard_size: int) -> lmdb.Environment:
-    return ENVS.acquire(path, sealed=False, shard_size=shard_size, create=True)
+    """The tail's env, its map large enough for `shard_size` (which may have been raised since
+    the tail was created or since a reader in this process opened it)."""
+    env = ENVS.acquire(path, sealed=False, shard_size=shard_size, create=True)
+    if env.info()["map_size"] < tail_map_size(shard_size):
+        env.set_mapsize(tail_map_size(shard_size))
+    return env
 
 
 def open_tail_for_read(path: Path, shard_size: int) -> lmdb.Environment:
@@ -170,12 +208,13 @@ def truncate_tail(env: lmdb.Environment, committed: int) -> None:
                 cur.delete()
 
 
-def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool) -> tuple[ShardEntry, np.ndarray]:
+def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool,
+         incarnation: int = 0) -> tuple[ShardEntry, np.ndarray]:
     """Copy the tail compacted into an immutable shard; return (manifest entry, record rows).
 
     The shard and its .zst appear under their real names only once complete and fsync'ed.
     """
-    dest = shards_dir / names.shard_name(shard_id)
+    dest = shards_dir / names.shard_name(shard_id, incarnation)
     tmp = dest.with_name(dest.name + ".tmp")
     ztmp = dest.with_name(dest.name + ".zst.tmp")
     unlink_quiet(tmp)

@@ -5,8 +5,12 @@ Commit protocol (a crash at any instant leaves the old or the new generation):
   2. the new side-index rows/runs go to files no reader of the old generation looks at, fsync'ed;
   3. manifest.json is replaced by rename (the commit point), and the directory fsync'ed;
   4. files the new generation no longer references are removed.
-Opening a writer (and a failed commit) runs recovery: orphan files are removed and the tail is
-cut back to the slots the manifest committed.
+Opening a writer (and a failed commit) runs recovery, which first checks that every file the
+manifest names is there, then cuts the tail back to the slots the manifest committed and puts
+files the manifest does not name out of the way: leftovers it can account for (temp files,
+index files and tails of older generations, files of a generation "w" replaced) are removed;
+anything else (e.g. shards of a newer generation under a stale manifest) is moved aside into
+`lost+found/`, never deleted.
 
 The writer reads the committed generation only through its Reader's public methods
 (key lookups for overwrites) and hands it each new Generation.
@@ -15,7 +19,10 @@ The writer reads the committed generation only through its Reader's public metho
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +49,13 @@ from .lock import WriterLock
 from .reader import Reader
 from .shards import ENVS, open_tail_for_write, seal, truncate_tail
 
+log = logging.getLogger("kvdata")
+
 LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
 RECORD_OVERHEAD = 64       # LMDB's per-record bytes beyond the value, for sealing decisions
 DEFAULT_SHARD_SIZE = 256_000_000
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
+LOST_FOUND = "lost+found"  # where recovery moves files it cannot account for
 
 Row = tuple[int, int, int]  # (shard id, slot, label) of one sample
 
@@ -88,6 +98,8 @@ class Writer:
         fresh_dir = not root.exists() or not any(root.iterdir())
         root.mkdir(parents=True, exist_ok=True)
         self._lock: WriterLock | None = WriterLock(root)
+        self._retired: Manifest | None = None  # the generation a "w" rewrite replaced: its files may go
+        self._written: set[str] = set()  # shard-dir files this writer created: recovery may remove them
         self._created = False  # True: this writer made the dataset, so a failed first write removes it
         self._make_reader = make_reader
         self.reader: Reader | None = None
@@ -99,13 +111,15 @@ class Writer:
             (root / names.SHARDS_DIR).mkdir(exist_ok=True)
             (root / names.INDEX_DIR).mkdir(exist_ok=True)
             requested = None if shard_size is None else parse_size(shard_size, "shard_size")
+            if not reset and not (root / names.MANIFEST).exists() and _holds_data(root):
+                raise CorruptDatasetError(f"{root / names.MANIFEST} is missing but the dataset has shards; "
+                                          f"run `kvdata reindex {root}` to rebuild it before writing")
             if reset or not (root / names.MANIFEST).exists():
                 self._created = fresh_dir and not reset
                 self._start_empty(requested or DEFAULT_SHARD_SIZE, compress)
-            self._recover()
-            if requested is not None and requested != self.shard_size:
-                self.shard_size = requested  # applies to shards sealed from now on
-                self.m = self.m.replace(shard_size=requested)
+            self._recover(shard_size=requested)
+            if requested is not None and requested != self.m.shard_size:
+                self.m = self.m.replace(shard_size=requested)  # applies to shards sealed from now on
                 self.pending.dirty = True
         except BaseException:
             self._unlock()
@@ -118,44 +132,35 @@ class Writer:
     # ------------------------------------------------------------ setup and recovery
 
     def _start_empty(self, shard_size: int, compress: bool) -> None:
+        """A new, empty generation. Written again from empty ("w"), the dataset starts a new
+        incarnation, so none of its new file names can be one an old reader opens."""
         generation = 0
         try:
             old = read_manifest(self.root)
             generation = old.generation + 1
-            # the old tail must not be reused in place: unlink it so open readers keep their copy
-            unlink_quiet(self.shards_dir / old.tail.name)
-            unlink_quiet(self.shards_dir / names.lmdb_lock_name(old.tail.name))
+            self._retired = old
         except (NotADatasetError, CorruptDatasetError):
             pass
-        unlink_quiet(self.shards_dir / names.tail_name(0))
-        unlink_quiet(self.shards_dir / names.lmdb_lock_name(names.tail_name(0)))
         atomic_write(self.root / names.MANIFEST, fmt.dump_manifest(fmt.new_manifest(shard_size, compress, generation)))
 
-    def _recover(self) -> None:
-        """Bring files back to exactly what manifest.json says and reset pending state."""
+    def _recover(self, shard_size: int | None = None) -> None:
+        """Bring files back to exactly what manifest.json says and reset pending state.
+
+        Everything the manifest names is checked before any file is touched."""
         self._close_envs(abort=True)
         m = read_manifest(self.root)
-        self.m = m
-        self.shard_size = m.shard_size
-        self.compress = m.compress
-        for p in self.root.glob(names.MANIFEST + ".tmp*"):  # a writer killed while replacing the manifest
-            unlink_quiet(p)
-        keep_shards = {s.name for s in m.shards} | {s.zst.name for s in m.shards if s.zst}
-        tail = m.tail.name
-        keep_shards |= {tail, names.lmdb_lock_name(tail)}
-        for p in self.shards_dir.iterdir():
-            if p.name not in keep_shards:
-                unlink_quiet(p)
-        keep_index = {n for n in (m.index.samples, m.index.records) if n} | {r.name for r in m.index.keys}
-        for p in (self.root / names.INDEX_DIR).iterdir():
-            if p.name not in keep_index:
-                unlink_quiet(p)
+        tail_path = self.shards_dir / m.tail.name
         for s in m.shards:
-            if not (self.shards_dir / s.name).exists():
+            if not (self.shards_dir / s.name).is_file():
                 raise MissingShardError(f"shard {self.shards_dir / s.name} is missing; restore it before writing")
-        tail_path = self.shards_dir / tail
         if not tail_path.exists() and m.tail.records:
             raise CorruptDatasetError(f"tail shard {tail_path} is missing; restore it or run `kvdata reindex`")
+        gen = load_generation(self.root)  # its index files exist and fit, or a clear error -- still nothing touched
+        m = gen.manifest
+        self.m = m
+        self.shard_size = shard_size or m.shard_size
+        self.compress = m.compress
+        self._tidy(m)
         try:
             self.env = open_tail_for_write(tail_path, self.shard_size)
             truncate_tail(self.env, m.tail.records)
@@ -170,8 +175,51 @@ class Writer:
         self.schema = dict(m.fields)
         self._last_schema: dict[str, Any] | None = None
         self.classes = list(m.classes)
-        self._publish(load_generation(self.root))
+        self._publish(gen)
         self.failed = False
+
+    def _tidy(self, m: Manifest) -> None:
+        """Remove leftovers recovery can account for; move anything else aside, never delete it."""
+        retired = self._retired
+        retired_files: set[str] = set()
+        if retired is not None and retired.incarnation != m.incarnation:
+            retired_files = {s.name for s in retired.shards} | {s.zst.name for s in retired.shards if s.zst} \
+                | {retired.tail.name, names.lmdb_lock_name(retired.tail.name)}
+        keep = {s.name for s in m.shards} | {s.zst.name for s in m.shards if s.zst} \
+            | {m.tail.name, names.lmdb_lock_name(m.tail.name)}
+        aside: list[Path] = []
+        for p in self.root.glob(names.MANIFEST + ".tmp*"):  # a writer killed while replacing the manifest
+            unlink_quiet(p)
+        for p in self.shards_dir.iterdir():
+            if p.name in keep:
+                continue
+            base = p.name[:-len("-lock")] if p.name.endswith("-lock") else p.name
+            tail = names.parse_tail_name(base)
+            if p.name.endswith(".tmp") or p.name in retired_files or p.name in self._written:
+                unlink_quiet(p)  # a seal's temp file; a file of the generation "w" replaced; our own
+            elif tail is not None and tail[1] == m.incarnation and tail[0] < m.tail.id:
+                unlink_quiet(p)  # a tail already sealed into a committed shard
+            else:
+                aside.append(p)
+        keep_index = {n for n in (m.index.samples, m.index.records) if n} | {r.name for r in m.index.keys}
+        for p in (self.root / names.INDEX_DIR).iterdir():
+            if p.name in keep_index:
+                continue
+            if names.is_index_name(p.name) and _generation_of(p.name) <= m.generation:
+                unlink_quiet(p)  # an older generation's index file (derived state)
+            else:
+                aside.append(p)
+        if aside:
+            self._move_aside(aside)
+
+    def _move_aside(self, paths: list[Path]) -> None:
+        dest = self.root / LOST_FOUND / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in paths:
+            os.replace(p, dest / f"{p.parent.name}-{p.name}")
+        fsync_dir(dest)
+        log.warning("kvdata: %s: moved %d file(s) the manifest does not name to %s (%s); delete them once you "
+                    "know they are not needed", self.root, len(paths), dest, ", ".join(sorted(p.name for p in paths)))
 
     def _publish(self, gen: Generation) -> None:
         """Readers in this process see `gen` from now on."""
@@ -334,18 +382,26 @@ class Writer:
         self.txn_bytes = 0
 
     def _seal(self) -> None:
-        """Turn the full tail into an immutable shard; later records go to a new tail."""
+        """Turn the full tail into an immutable shard; later records go to a new tail.
+
+        Sealing and opening the next tail are one step: if either fails, everything since the
+        last commit is discarded (recovery), so no state can name records that do not exist."""
+        inc = self.m.incarnation
+        next_tail = names.tail_name(self.tail_id + 1, inc)
         try:
             self._flush_txn()
             self.env.sync(True)
-            entry, records = seal(self.env, self.shards_dir, self.tail_id, self.compress)
+            self._written |= {names.shard_name(self.tail_id, inc), names.zst_name(names.shard_name(self.tail_id, inc)),
+                              next_tail, names.lmdb_lock_name(next_tail)}
+            entry, records = seal(self.env, self.shards_dir, self.tail_id, self.compress, inc)
+            env = open_tail_for_write(self.shards_dir / next_tail, self.shard_size)
         except (OSError, lmdb.Error) as e:
             self._fail()
             raise CommitError(self._failure_message(e)) from None
         self.pending.sealed.append((entry, records))
         self._old_envs[self.tail_id] = self.env
         self.tail_id += 1
-        self.env = open_tail_for_write(self.shards_dir / names.tail_name(self.tail_id), self.shard_size)
+        self.env = env
         self.tail_slots = 0
         self.tail_bytes = 0
 
@@ -360,6 +416,7 @@ class Writer:
         p.seal_requested = False
         if not p.dirty and self.classes == list(self.m.classes):
             return self.m.generation
+        self._check_sole_writer()
         try:
             self._flush_txn()
             self.env.sync(True)
@@ -371,13 +428,29 @@ class Writer:
             unlink_quiet(self.root / name)
         for tid, env in list(self._old_envs.items()):
             ENVS.release(env)
-            unlink_quiet(self.shards_dir / names.tail_name(tid))
-            unlink_quiet(self.shards_dir / names.lmdb_lock_name(names.tail_name(tid)))
+            old_tail = names.tail_name(tid, self.m.incarnation)
+            unlink_quiet(self.shards_dir / old_tail)
+            unlink_quiet(self.shards_dir / names.lmdb_lock_name(old_tail))
         self._old_envs.clear()
         self.m = new_m
         self.pending = Pending()
+        self._written.clear()
+        self._retired = None
         self._publish(load_generation(self.root))
         return new_m.generation
+
+    def _check_sole_writer(self) -> None:
+        """Refuse to commit if another writer got in (a filesystem where flock does not exclude):
+        the lock file names someone else, or the manifest moved past the generation we built on."""
+        assert self._lock is not None
+        on_disk = read_manifest(self.root).generation
+        if not self._lock.still_ours() or on_disk != self.m.generation:
+            self.failed = True
+            raise CommitError(
+                f"{self.root}: another writer opened or committed this dataset while this one was writing "
+                f"(manifest at generation {on_disk}, this writer started from {self.m.generation}; is it on NFS, "
+                "where file locks may not exclude?); nothing was committed; open it again and write once at a time"
+            )
 
     def _failure_message(self, e: BaseException) -> str:
         gen = self.m.generation
@@ -446,7 +519,7 @@ class Writer:
             generation=gen,
             count=int(count),
             shards=m.shards + tuple(e for e, _r in p.sealed),
-            tail=TailEntry(self.tail_id, names.tail_name(self.tail_id), self.tail_slots),
+            tail=TailEntry(self.tail_id, names.tail_name(self.tail_id, m.incarnation), self.tail_slots),
             index=IndexFiles(samples_name, records_name, int(records_count), tuple(runs)),
             fields=self.schema,
             classes=tuple(self.classes),
@@ -475,3 +548,18 @@ class Writer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _holds_data(root: Path) -> bool:
+    """Whether a dataset directory has shard or index files (then a missing manifest is damage)."""
+    for sub in (names.SHARDS_DIR, names.INDEX_DIR):
+        try:
+            if any(True for _ in (root / sub).iterdir()):
+                return True
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return False
+
+
+def _generation_of(index_name: str) -> int:
+    return int(index_name.split("-")[1].split(".")[0])
