@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import http.client
 import os
-import shutil
+import secrets
 import ssl
 import stat
 import threading
@@ -21,11 +22,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .._util.fsutil import read_regular
-from ..errors import KVDataError, NotADatasetError, ReadOnlyError, RemoteError
+from .._util.digest import is_sha256
+from .._util.fsutil import fsync_dir, read_regular, unlink_quiet
+from ..errors import ChecksumMismatchError, KVDataError, NotADatasetError, ReadOnlyError, RemoteError
+from ..format import names
+from ..format.codec import CHUNK, file_sha256
 
 PART_SIZE = 8 << 20
 READ_LIMIT = 1 << 30   # default cap of Home.read (callers reading metadata pass a smaller one)
+SHA256_XATTR = "user.kvdata.sha256"   # a local home file's recorded sha256 (see LocalHome.sha256)
+S3_SHA256_META = "sha256"             # an S3 object's recorded sha256: the header x-amz-meta-sha256
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -61,7 +67,17 @@ class Home:
             raise RemoteError(f"{self.where(name)} changed while being read ({len(data)} of {size} bytes)")
         return data
 
-    def put_file(self, name: str, path: Path) -> None:
+    def sha256(self, name: str) -> str | None:
+        """The sha256 of the object `name` at this home, where the home can tell it without
+        reading the object over the network -- or None: missing, never recorded, not a regular
+        file, or no way to tell (HTTP, passed files). `kvdata push` uploads an object again
+        unless this equals the sha256 its manifest gives, so None only costs an upload."""
+        return None
+
+    def put_file(self, name: str, path: Path, sha256: str | None = None) -> None:
+        """Upload the local file `path` as `name`. With `sha256`, the file must hash to it
+        (ChecksumMismatchError, nothing published, if it does not) and the home records it
+        for `sha256()`."""
         raise ReadOnlyError(f"{self.url} is read-only; push to a local path or s3://")
 
     def where(self, name: str) -> str:
@@ -127,14 +143,108 @@ class LocalHome(Home):
         except OSError as e:
             raise RemoteError(f"{self.root / name}: {e.strerror or e} (the limit is {limit} bytes of a regular file)") from None
 
-    def put_file(self, name: str, path: Path) -> None:
+    def sha256(self, name: str) -> str | None:
+        """The file's sha256: the one recorded in its `user.kvdata.sha256` extended attribute
+        while the file is provably unchanged since, else hashed from its bytes (and recorded).
+
+        Why not the home's manifest: it states what the last *completed* push meant to
+        upload, not what a file holds now -- a push interrupted after replacing a shard, or a
+        file changed by hand, makes it wrong, and trusting it is the bug this replaces. Why
+        not always hash: on NFS that reads the whole home on every push. The record is
+        "sha256 size mtime_ns", written by the process that computed the sha256 from the
+        same open file; it is trusted only if size and mtime still match and the file's
+        ctime is later than that mtime (git's "racy clean" rule: a write within the same
+        timestamp tick as the record would not change mtime, so such a record is re-hashed
+        once). A file system without user xattrs (some NFS mounts) is simply hashed."""
+        try:
+            fd = os.open(self.root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            recorded = _recorded_sha256(fd, st)
+            if recorded is not None:
+                return recorded
+            h = hashlib.sha256()
+            while chunk := os.read(fd, CHUNK):
+                h.update(chunk)
+            after = os.fstat(fd)
+            if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                return None   # changed while being hashed: upload it again
+            digest = h.hexdigest()
+            _record_sha256(fd, after, digest)
+            return digest
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def put_file(self, name: str, path: Path, sha256: str | None = None) -> None:
+        """Copy into a fresh temp name beside the destination (random, created O_EXCL, so a
+        symlink planted at any temp name is never followed), hashing as it copies; fsync,
+        record the sha256, rename over the destination, fsync the directory."""
         dest = self.root / name
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(dest.name + ".tmp")
-        shutil.copyfile(path, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        fd, tmp = _create_temp(dest)
+        try:
+            h = hashlib.sha256()
+            with open(fd, "wb", closefd=True) as out, open(path, "rb") as src:
+                while chunk := src.read(CHUNK):
+                    h.update(chunk)
+                    out.write(chunk)
+                out.flush()
+                digest = h.hexdigest()
+                if sha256 is not None and digest != sha256:
+                    raise ChecksumMismatchError(
+                        f"{path} has sha256 {digest}, not the {sha256} its manifest gives; nothing was "
+                        f"uploaded to {self.where(name)} (run `kvdata verify` on the dataset)")
+                os.fsync(out.fileno())
+                _record_sha256(out.fileno(), os.fstat(out.fileno()), digest)
+            os.replace(tmp, dest)
+        except BaseException:
+            unlink_quiet(tmp)
+            raise
+        fsync_dir(dest.parent)
+
+
+def _create_temp(dest: Path) -> tuple[int, Path]:
+    """A new, empty file under a random hidden temp name beside `dest`, opened for writing:
+    O_CREAT|O_EXCL (never an existing file, never through a symlink) and mode 0666 less the
+    umask, like any new file."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _attempt in range(16):
+        tmp = dest.with_name(names.temp_name(dest.name, secrets.token_hex(8)))
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise KVDataError(f"cannot create a temp file beside {dest}: every name tried exists")
+
+
+def _recorded_sha256(fd: int, st: os.stat_result) -> str | None:
+    """The sha256 recorded on an open file if the record still describes it (see LocalHome.sha256)."""
+    try:
+        raw = os.getxattr(fd, SHA256_XATTR)
+    except OSError:   # no record, or no user xattrs on this file system
+        return None
+    parts = raw.decode("ascii", "replace").split()
+    if len(parts) != 3 or not is_sha256(parts[0]) or not all(p.isdigit() for p in parts[1:]):
+        return None
+    size, mtime_ns = int(parts[1]), int(parts[2])
+    if (size, mtime_ns) != (st.st_size, st.st_mtime_ns) or st.st_ctime_ns <= mtime_ns:
+        return None
+    return parts[0]
+
+
+def _record_sha256(fd: int, st: os.stat_result, digest: str) -> None:
+    """Record `digest` as the sha256 of the open file as `st` describes it (best effort:
+    without user xattrs, or on a file we may not change, the next push hashes it again)."""
+    try:
+        os.setxattr(fd, SHA256_XATTR, f"{digest} {st.st_size} {st.st_mtime_ns}".encode("ascii"))
+    except OSError:
+        pass
 
 
 class S3Home(Home):
@@ -201,12 +311,31 @@ class S3Home(Home):
             raise RemoteError(f"{self.where(name)} holds more than the {limit}-byte limit for it")
         return data
 
-    def put_file(self, name: str, path: Path) -> None:
+    def sha256(self, name: str) -> str | None:
+        """The sha256 push recorded as the object's metadata (x-amz-meta-sha256), read with
+        one HEAD; None for a missing object or one without (or with a malformed) record.
+        An S3 object's bytes and metadata are replaced together, so the record cannot go stale."""
+        try:
+            head = self._call(self._client.head_object, name)
+        except RemoteError:
+            return None
+        value = (head.get("Metadata") or {}).get(S3_SHA256_META)
+        return value if is_sha256(value) else None
+
+    def put_file(self, name: str, path: Path, sha256: str | None = None) -> None:
         from boto3.s3.transfer import TransferConfig
         from botocore.exceptions import BotoCoreError, ClientError
 
+        extra: dict[str, Any] = {}
+        if sha256 is not None:
+            _size, digest = file_sha256(path)
+            if digest != sha256:
+                raise ChecksumMismatchError(
+                    f"{path} has sha256 {digest}, not the {sha256} its manifest gives; nothing was "
+                    f"uploaded to {self.where(name)} (run `kvdata verify` on the dataset)")
+            extra["Metadata"] = {S3_SHA256_META: sha256}
         try:
-            self._client.upload_file(str(path), self.bucket, self._key(name),
+            self._client.upload_file(str(path), self.bucket, self._key(name), ExtraArgs=extra,
                                      Config=TransferConfig(multipart_chunksize=PART_SIZE, max_concurrency=8))
         except (ClientError, BotoCoreError, OSError) as e:
             raise RemoteError(f"{self.where(name)}: upload failed ({e})") from None

@@ -2,6 +2,12 @@
 
 A half-pushed dataset is never visible: shards (.zst) and the trimmed index files
 go first, the manifest (with the index checksums) last.
+
+An object already at the home is skipped only if the home vouches that it holds the
+sha256 the manifest gives for it (`Home.sha256`: S3 metadata recorded at upload, a
+local file's recorded or computed hash) -- never by its size: a changed shard of the same
+size is uploaded again. Every upload checks the local file against that sha256 first, so
+a push never publishes bytes its manifest does not describe.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from .homes import Home, open_home
 
 def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None) -> dict[str, Any]:
     """Upload a local, fully sealed dataset: shards (.zst), index, then the manifest last,
-    so a half-pushed dataset is never visible. Objects already there with the right size
-    are skipped, so an interrupted push resumes."""
+    so a half-pushed dataset is never visible. Shards and index files the home already
+    holds with the right sha256 are skipped, so an interrupted push resumes; the manifest
+    is always uploaded."""
     src = Path(dataset)
     store = Store(src, "r")
     try:
@@ -35,7 +42,7 @@ def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None)
     home = open_home(url)
     if not home.writable:
         raise ReadOnlyError(f"{url} is read-only; push to a local path or s3://")
-    uploaded = skipped = 0
+    uploaded = skipped = index_uploaded = index_skipped = 0
     bar = make_progress(len(m.shards) + 3, "push", show)
     shards_dir = src / names.SHARDS_DIR
     try:
@@ -49,10 +56,10 @@ def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None)
                 entries.append(e)
                 name = f"{names.SHARDS_DIR}/{zst.name}"
                 path = src / name if (src / name).exists() else Path(tmpd) / zst.name
-                if _remote_size(home, name) == zst.bytes:
+                if _holds(home, name, zst.sha256):
                     skipped += 1
                 else:
-                    home.put_file(name, path)
+                    home.put_file(name, path, sha256=zst.sha256)
                     uploaded += 1
                 bar.update(1)
             sums = {}
@@ -62,18 +69,24 @@ def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None)
                     blob = f.read(count)
                 trimmed.write_bytes(blob)
                 sums[name] = hashlib.sha256(blob).hexdigest()
-                home.put_file(f"{names.INDEX_DIR}/{name}", trimmed)
+                remote = f"{names.INDEX_DIR}/{name}"
+                if _holds(home, remote, sums[name]):
+                    index_skipped += 1
+                else:
+                    home.put_file(remote, trimmed, sha256=sums[name])
+                    index_uploaded += 1
             bar.update(2)
             pushed = m.replace(shards=tuple(entries), index_sha256=sums)
             mpath = Path(tmpd) / names.MANIFEST
-            mpath.write_bytes(dump_manifest(pushed))
-            home.put_file(names.MANIFEST, mpath)
+            mblob = dump_manifest(pushed)
+            mpath.write_bytes(mblob)
+            home.put_file(names.MANIFEST, mpath, sha256=hashlib.sha256(mblob).hexdigest())
             bar.update(1)
     finally:
         bar.close()
         home.close()
     return {"dataset": str(src), "url": url, "generation": m.generation, "shards_uploaded": uploaded,
-            "shards_skipped": skipped}
+            "shards_skipped": skipped, "index_uploaded": index_uploaded, "index_skipped": index_skipped}
 
 
 def _compress(path: Path, dest: Path) -> ZstCopy:
@@ -82,8 +95,10 @@ def _compress(path: Path, dest: Path) -> ZstCopy:
     return ZstCopy(dest.name, size, sha)
 
 
-def _remote_size(home: Home, name: str) -> int | None:
+def _holds(home: Home, name: str, sha256: str) -> bool:
+    """Whether the home vouches that `name` holds exactly the bytes of `sha256` (a size
+    match proves nothing; an object the home cannot vouch for is uploaded again)."""
     try:
-        return home.size(name)
+        return home.sha256(name) == sha256
     except RemoteError:
-        return None
+        return False
