@@ -6,6 +6,7 @@ The library is imported inside each command, so `kvdata --help` stays fast.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from .._util.fsutil import unlink_quiet
 from .._util.sizes import parse_size
 from ..errors import KVDataError
 from .output import EXIT_ERROR, error, format_size, print_json, progress
@@ -109,6 +111,40 @@ def _value_bytes(value: Any, key: str, field: str | None) -> memoryview:
     return memoryview(str(v).encode("utf-8"))
 
 
+def _write_output(out: Path, data: memoryview) -> None:
+    """Write `data` to OUT through a new temp file beside it, renamed onto OUT.
+
+    The temp name is random and created O_CREAT|O_EXCL|O_NOFOLLOW (mode 0666 less the
+    umask, as for any new file): a symlink or file planted at any temp name makes that
+    attempt fail and is left untouched; nothing is written through it. OUT itself is
+    replaced by rename: if OUT is a symlink, the link is replaced by a regular file and
+    its target is never written (like `mv`, unlike shell redirection)."""
+    from ..format import names
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _attempt in range(16):
+        tmp = out.with_name(names.temp_name(out.name, secrets.token_hex(8)))
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise KVDataError(f"cannot write {out}: {e.strerror or e}") from None
+    else:
+        raise KVDataError(f"cannot create a temp file beside {out}: every name tried exists")
+    try:
+        with open(fd, "wb", closefd=True) as f:
+            f.write(data)
+        os.replace(tmp, out)
+    except OSError as e:
+        unlink_quiet(tmp)
+        raise KVDataError(f"cannot write {out}: {e.strerror or e}") from None
+    except BaseException:
+        unlink_quiet(tmp)
+        raise
+
+
 @click.command()
 @click.argument("dataset")
 @click.argument("key")
@@ -128,9 +164,7 @@ def get(dataset: str, key: str, output: str | None, field: str | None, as_json: 
             return
         data = _value_bytes(store.get_many([pos])[0], key, field)
         if output:
-            tmp = Path(output + ".kvdata-tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, output)
+            _write_output(Path(output), data)
         else:
             sys.stdout.buffer.write(data)
             sys.stdout.buffer.flush()
