@@ -244,8 +244,7 @@ def _shard(i: int, s: Any, incarnation: int) -> ShardEntry:
     name = s.get("name")
     if not isinstance(name, str):
         raise _Bad(f"shards[{i}].name is {_show(name)}, not a file name")
-    parsed = names.parse_shard_name(name)
-    if sid != i or parsed is None or parsed != (sid, incarnation):
+    if sid != i or name != names.shard_name(sid, incarnation):  # the one canonical name, nothing else
         raise _Bad(f"shards[{i}] has id {sid} and name {str(name)[:60]!r}; "
                    f"expected {names.shard_name(i, incarnation)!r}")
     zst = None
@@ -303,8 +302,7 @@ def manifest_from_json(m: Any, where: str) -> Manifest:
         tid = _int(t.get("id"), "tail.id", MAX_SHARDS)
         if not isinstance(t.get("name"), str):
             raise _Bad(f"tail.name is {_show(t.get('name'))}, not a file name")
-        parsed = names.parse_tail_name(t.get("name"))
-        if parsed != (tid, incarnation) or tid < len(entries):
+        if t.get("name") != names.tail_name(tid, incarnation) or tid < len(entries):
             raise _Bad(f"tail {str(t.get('name'))[:60]!r} (id {tid}) does not follow the sealed shards")
         tail = TailEntry(tid, str(t["name"]), _int(t.get("records"), "tail.records"))
         fields = m.get("fields") or {}

@@ -33,10 +33,10 @@ SHARDS_DIR = "shards"
 INDEX_DIR = "index"
 SOURCE = "source.json"  # an index mirror's note of the URL it mirrors
 
-_SHARD = re.compile(r"(\d{6,9})(?:-i(\d{8,10}))?\.mdb")
-_TAIL = re.compile(r"tail-(\d{6,9})(?:-i(\d{8,10}))?\.mdb")
-_ZST = re.compile(r"(\d{6,9})(?:-i(\d{8,10}))?\.mdb\.zst")
-_INDEX = re.compile(r"(samples|records|keys)-(\d{8,10})(?:-(\d{2,3}))?\.bin")
+_SHARD = re.compile(r"([0-9]{6,9})(?:-i([0-9]{8,10}))?\.mdb")
+_TAIL = re.compile(r"tail-([0-9]{6,9})(?:-i([0-9]{8,10}))?\.mdb")
+_ZST = re.compile(r"([0-9]{6,9})(?:-i([0-9]{8,10}))?\.mdb\.zst")
+_INDEX = re.compile(r"(samples|records|keys)-([0-9]{8,10})(?:-([0-9]{2,3}))?\.bin")
 _STAGED = re.compile(r"([0-9a-f]{64})\.mdb")
 
 

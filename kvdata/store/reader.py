@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,10 +20,10 @@ import numpy as np
 
 from .. import format as fmt
 from .._util.libc import pages_resident
-from ..errors import CorruptDatasetError, InvalidKeyError, MissingShardError
+from ..errors import CorruptDatasetError, InvalidKeyError, InvalidValueError, MissingShardError
 from ..format import ShardEntry, names
 from .generation import Generation, read_manifest
-from .shards import ENVS, SealedShard, open_tail_for_read
+from .shards import ENVS, SealedShard, check_lmdb_file, open_tail_for_read
 from .source import ShardSource
 from .stacking import Alloc, Copier
 
@@ -185,11 +183,19 @@ class Reader:
                   alloc: Alloc | None = None) -> Any:
         """A batch as arrays (see Store.get_batch)."""
         recs = self.get_many(indices)
-        if recs and not isinstance(recs[0], dict):
+        dicts = sum(isinstance(r, dict) for r in recs)
+        if dicts and dicts != len(recs):
+            raise InvalidValueError(f"{self.root}: this batch mixes raw-bytes records and records with fields; "
+                                    "get_batch stacks one kind, read them with get_many")
+        if recs and not dicts:
             return [bytes(r) for r in recs]
-        if fields is not None:
-            recs = [{f: r[f] for f in fields} for r in recs]
-        return self._copier.stack(recs, alloc)
+        try:
+            if fields is not None:
+                recs = [{f: r[f] for f in fields} for r in recs]
+            return self._copier.stack(recs, alloc)
+        except KeyError as e:
+            raise InvalidValueError(f"{self.root}: field {e.args[0]!r} is missing from some records of this batch; "
+                                    "pass fields= that every record has, or read them with get_many") from None
 
     def _advise_willneed(self, sh: np.ndarray, r: np.ndarray, hk: np.ndarray) -> None:
         """Readahead hints for a batch's large values -- unless a few probes (mincore) find
@@ -398,40 +404,3 @@ def _lmdb_value(h: SealedShard, slot: int) -> bytes:
         return h.lmdb_value(slot)
     except lmdb.Error as e:
         raise _lmdb_error(h.path, e) from None
-
-
-_LMDB_MAGIC = 0xBEEFC0DE
-_LMDB_META = struct.Struct("<II16x I 92x QQ")  # magic, version, page size (free db's md_pad), last page, txnid
-
-
-def check_lmdb_file(path: Path) -> None:
-    """CorruptDatasetError unless `path` can be handed to LMDB: neither it nor its `-lock` file a
-    symbolic link (LMDB would create or overwrite the lock file, its reader table, wherever a
-    link points, outside the dataset), a regular file, and not shorter than its newest meta page
-    says (LMDB maps it whole and would die of SIGBUS on the first page past the end; the metas
-    are read before the size, so a writer growing the file meanwhile never makes it look short).
-    FileNotFoundError if it is missing."""
-    lock = path.with_name(names.lmdb_lock_name(path.name))  # LMDB opens (and writes) it, following links
-    for p in (path, lock):
-        if p.is_symlink():
-            raise CorruptDatasetError(f"{p} is a symbolic link, not a file of the dataset; remove it and run "
-                                      "`kvdata verify`")
-    if not stat.S_ISREG(path.stat().st_mode):
-        raise CorruptDatasetError(f"{path} is not a regular file; remove it and run `kvdata verify`")
-    with open(path, "rb") as f:
-        head = f.read((64 << 10) + 256)
-        size = os.fstat(f.fileno()).st_size
-    if len(head) < 16 + _LMDB_META.size:
-        return
-    psize = _LMDB_META.unpack_from(head, 16)[2]
-    if psize & (psize - 1) or not 512 <= psize <= 65536:
-        return  # not a page size: LMDB itself refuses the file
-    best: tuple[int, int] | None = None  # (txnid, bytes needed) of the newest valid meta
-    for at in (0, psize):
-        if len(head) >= at + 16 + _LMDB_META.size:
-            magic, _version, _ps, last_pg, txnid = _LMDB_META.unpack_from(head, at + 16)
-            if magic == _LMDB_MAGIC and (best is None or txnid > best[0]):
-                best = (txnid, (last_pg + 1) * psize)
-    if best is not None and size < best[1]:
-        raise CorruptDatasetError(f"{path} is truncated ({size} bytes, its LMDB pages need {best[1]}); "
-                                  "restore it from a copy and run `kvdata verify`")

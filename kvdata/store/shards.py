@@ -13,6 +13,8 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -176,9 +178,49 @@ def _open_sealed(path: str) -> lmdb.Environment:
                      max_spare_txns=0, map_size=max(os.path.getsize(path), _PAGE))
 
 
+_LMDB_MAGIC = 0xBEEFC0DE
+_LMDB_META = struct.Struct("<II16x I 92x QQ")  # magic, version, page size (free db's md_pad), last page, txnid
+
+
+def check_lmdb_file(path: Path) -> None:
+    """CorruptDatasetError unless `path` can be handed to LMDB: neither it nor its `-lock` file a
+    symbolic link (LMDB would create or overwrite the lock file, its reader table, wherever a
+    link points, outside the dataset), a regular file, and not shorter than its newest meta page
+    says (LMDB maps it whole and would die of SIGBUS on the first page past the end; the metas
+    are read before the size, so a writer growing the file meanwhile never makes it look short).
+    FileNotFoundError if it is missing."""
+    lock = path.with_name(names.lmdb_lock_name(path.name))  # LMDB opens (and writes) it, following links
+    for p in (path, lock):
+        if p.is_symlink():
+            raise CorruptDatasetError(f"{p} is a symbolic link, not a file of the dataset; remove it and run "
+                                      "`kvdata verify`")
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise CorruptDatasetError(f"{path} is not a regular file; remove it and run `kvdata verify`")
+    with open(path, "rb") as f:
+        head = f.read((64 << 10) + 256)
+        size = os.fstat(f.fileno()).st_size
+    if len(head) < 16 + _LMDB_META.size:
+        return
+    psize = _LMDB_META.unpack_from(head, 16)[2]
+    if psize & (psize - 1) or not 512 <= psize <= 65536:
+        return  # not a page size: LMDB itself refuses the file
+    best: tuple[int, int] | None = None  # (txnid, bytes needed) of the newest valid meta
+    for at in (0, psize):
+        if len(head) >= at + 16 + _LMDB_META.size:
+            magic, _version, _ps, last_pg, txnid = _LMDB_META.unpack_from(head, at + 16)
+            if magic == _LMDB_MAGIC and (best is None or txnid > best[0]):
+                best = (txnid, (last_pg + 1) * psize)
+    if best is not None and size < best[1]:
+        raise CorruptDatasetError(f"{path} is truncated ({size} bytes, its LMDB pages need {best[1]}); "
+                                  "restore it from a copy and run `kvdata verify`")
+
+
 def open_tail_for_write(path: Path, shard_size: int) -> lmdb.Environment:
     """The tail's env, its map large enough for `shard_size` (which may have been raised since
-    the tail was created or since a reader in this process opened it)."""
+    the tail was created or since a reader in this process opened it). An existing tail is
+    checked first (no symlink, not truncated): LMDB would follow the one and SIGBUS on the other."""
+    if os.path.lexists(path) or os.path.lexists(names.lmdb_lock_name(str(path))):
+        check_lmdb_file(path)
     env = ENVS.acquire(path, sealed=False, shard_size=shard_size, create=True)
     if env.info()["map_size"] < tail_map_size(shard_size):
         env.set_mapsize(tail_map_size(shard_size))

@@ -22,8 +22,7 @@ from ..errors import CorruptDatasetError, KVDataError
 from ..format.codec import file_sha256
 from . import index as ix
 from .facade import Store
-from .reader import check_lmdb_file
-from .shards import OpenedCopy, SealedShard, iter_lmdb_records
+from .shards import OpenedCopy, SealedShard, check_lmdb_file, iter_lmdb_records
 
 
 def _check_record(v: Any) -> tuple[str | None, str | None]:
@@ -115,7 +114,12 @@ def _verify(store: Store, show: bool | None) -> dict[str, Any]:
             for slot, (off, psize, hk) in enumerate(zip(rows["offset"].tolist(), rows["size"].tolist(),
                                                          rows["head_kind"].tolist())):
                 if off == int(fmt.UNKNOWN_OFFSET):
-                    v: Any = handle.lmdb_value(slot)
+                    try:
+                        v: Any = handle.lmdb_value(slot)
+                    except (lmdb.Error, CorruptDatasetError) as exc:
+                        reason = (str(exc).splitlines() or [""])[0] or type(exc).__name__
+                        bad_records.append({"shard": e.name, "slot": slot, "key": None, "problem": f"LMDB: {reason}"})
+                        continue
                 else:
                     end = off + (hk & fmt.MAX_HEAD) + psize
                     if end > size:

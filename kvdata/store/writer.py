@@ -165,7 +165,8 @@ class Writer:
             self.env = open_tail_for_write(tail_path, self.shard_size)
             truncate_tail(self.env, m.tail.records)
         except lmdb.Error as e:
-            raise CorruptDatasetError(f"{tail_path}: cannot open the tail shard ({e}); run `kvdata reindex`") from None
+            reason = (str(e).splitlines() or [""])[0].removeprefix(f"{tail_path}: ") or type(e).__name__
+            raise CorruptDatasetError(f"{tail_path}: cannot open the tail shard ({reason}); run `kvdata reindex`") from None
         self.tail_id = m.tail.id
         self.tail_slots = m.tail.records
         info = self.env.info()
@@ -357,21 +358,24 @@ class Writer:
             )
         if self.tail_slots and self.tail_bytes + need > self.shard_size:
             self._seal()
-        if self.txn is None:
-            self.txn = self.env.begin(write=True)
-            ENVS.mark_busy(self.env, 1)
         slot = self.tail_slots
         try:
+            if self.txn is None:
+                self.txn = self.env.begin(write=True)
+                ENVS.mark_busy(self.env, 1)
             self.txn.put(fmt.slot_key(slot), rec, append=True)
+            self.tail_slots += 1
+            self.tail_bytes += need
+            self.txn_bytes += need
+            self.pending.dirty = True
+            if self.txn_bytes >= LMDB_TXN_BYTES:
+                self._flush_txn()
         except lmdb.MapFullError:
             self._fail()
             raise CommitError(f"{self.root}: the tail shard's map is full; commit more often or lower --shard-size") from None
-        self.tail_slots += 1
-        self.tail_bytes += need
-        self.txn_bytes += need
-        self.pending.dirty = True
-        if self.txn_bytes >= LMDB_TXN_BYTES:
-            self._flush_txn()
+        except (OSError, lmdb.Error) as e:  # e.g. the disk filled while LMDB spilled dirty pages
+            self._fail()
+            raise CommitError(self._failure_message(e)) from None
         return slot
 
     def _flush_txn(self) -> None:
@@ -395,7 +399,7 @@ class Writer:
                               next_tail, names.lmdb_lock_name(next_tail)}
             entry, records = seal(self.env, self.shards_dir, self.tail_id, self.compress, inc)
             env = open_tail_for_write(self.shards_dir / next_tail, self.shard_size)
-        except (OSError, lmdb.Error) as e:
+        except (OSError, lmdb.Error, CorruptDatasetError) as e:
             self._fail()
             raise CommitError(self._failure_message(e)) from None
         self.pending.sealed.append((entry, records))
