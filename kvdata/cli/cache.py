@@ -56,12 +56,15 @@ def _engine() -> Engine:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def stage(dataset: str, tier: str | None, wait: bool, as_json: bool) -> None:
     """Copy a dataset's shards into a tier ahead of a job (verified, resumable)."""
+    from ..reader.daemon_client import stage_entries, stage_request
     from ..reader.open import open_dataset
 
     daemon = _daemon()
     if daemon is not None:  # the daemon stages for everyone and keeps it staged
-        with daemon:
-            r = daemon.request("stage", dataset=_location(dataset), tier=tier, wait=wait)
+        location = _location(dataset)
+        with daemon:  # a uid the daemon does not open paths for passes its own shard files
+            entries = () if daemon.may_name_paths else stage_entries(location)
+            r = stage_request(daemon, location, entries, tier=tier, wait=wait)
         queued = {"dataset": dataset, "shards": r["shards"], "tier": tier, "queued": r["queued"], "daemon": True}
         if as_json:
             print_json(queued)
@@ -100,12 +103,13 @@ def stage(dataset: str, tier: str | None, wait: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def evict(dataset: str, tier: str | None, as_json: bool) -> None:
     """Drop staged copies of a dataset's shards (never the home; shards being read stay)."""
+    from ..reader.daemon_client import evict_request
     from ..reader.open import open_dataset
 
     daemon = _daemon()
     if daemon is not None:
         with daemon:
-            n = daemon.request("evict", dataset=_location(dataset), tier=tier)["evicted"]
+            n = evict_request(daemon, _location(dataset), tier)["evicted"]
     else:
         eng = _engine()
         store = open_dataset(dataset, engine=eng, use_daemon=False)

@@ -103,6 +103,26 @@ def stage_request(client: Client, location: str, entries: Sequence[ShardEntry], 
     return {"shards": shards, "queued": queued}
 
 
+def evict_request(client: Client, location: str, tier: str | None = None) -> dict[str, Any]:
+    """`evict` a dataset's copies through the daemon (what `kvdata evict` needs): a uid the
+    daemon does not open paths for opens the dataset first, passing its manifest, since the
+    daemon evicts only datasets the uid has open. DaemonError if it refuses."""
+    if not client.may_name_paths and not is_url(location):
+        _reply, got = open_request(client, location)
+        close_fds(got)
+    return client.request("evict", dataset=location, tier=tier)
+
+
+def stage_entries(location: str) -> Sequence[ShardEntry]:
+    """The shard entries `stage_request` passes files for: the local manifest's (a URL
+    needs none: the daemon reads its manifest itself)."""
+    if is_url(location):
+        return ()
+    from ..store.generation import read_manifest
+
+    return read_manifest(Path(location)).shards
+
+
 def open_root(client: Client, location: str) -> Path | None:
     """The directory a reader opens a dataset from through the daemon, or None if the daemon
     refuses it (the caller then stages in-process): the dataset itself when local; for a URL,

@@ -221,6 +221,37 @@ def test_uid_b_stages_its_own_dataset_by_passing_the_shard_files(trust: Trust) -
     assert d.terminate() == 0
 
 
+def run_cli(*args: str) -> tuple[int, str, str]:
+    """The `kvdata` command group with its error handling, run by the calling uid (in the forked
+    child: the console script under /root is not executable by the test users)."""
+    from click.testing import CliRunner
+
+    from kvdata.cli import main
+
+    r = CliRunner().invoke(main, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+@needs_users
+def test_cli_stage_and_evict_by_an_unprivileged_uid_pass_its_files(trust: Trust) -> None:
+    """Regression: `kvdata stage/evict` sent a local path, which kvdatad refuses for a uid that
+    is not root or its own; the CLI now passes the uid's own manifest and shard files."""
+    ds = trust.dataset(trust.b, "mine", n=48)
+    d = trust.kit.daemon()
+    rc, out, err = as_user(trust.b, run_cli, "stage", loc(ds), "--json", env=trust.env(trust.b))
+    assert rc == 0 and err == "", (rc, out, err)
+    shas = {e["sha256"] for e in manifest(ds)["shards"]}
+    assert json.loads(out)["daemon"] is True and json.loads(out)["shards"] == len(shas)
+    assert set(staged(trust.kit)) == shas
+    rc, out, err = as_user(trust.b, run_cli, "evict", loc(ds), "--json", env=trust.env(trust.b))
+    assert rc == 0 and err == "", (rc, out, err)
+    assert json.loads(out)["evicted"] >= len(shas) and not set(staged(trust.kit)) & shas
+    # uid C cannot evict B's dataset: it cannot open B's manifest to pass it
+    rc, out, err = as_user(trust.c, run_cli, "evict", loc(ds), env=trust.env(trust.c))
+    assert rc != 0 and len(err.splitlines()) == 1 and "Traceback" not in err, (rc, out, err)
+    assert d.terminate() == 0
+
+
 # ------------------------------------------------------------------ confused deputy
 
 
