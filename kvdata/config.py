@@ -177,7 +177,8 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None) -> Config:
         unknown = set(t) - {"name", "path", "budget"}
         if unknown:
             raise ConfigError(f"{where}: tier {name!r} has unknown setting(s) {', '.join(sorted(unknown))}")
-        tiers.append(TierConfig(name, Path(str(t["path"])).expanduser(), parse_size(t["budget"], f"tier {name!r} budget")))
+        budget = parse_size(t["budget"], f"{where}: tier {name!r} budget")
+        tiers.append(TierConfig(name, Path(str(t["path"])).expanduser(), budget))
     d = data.get("daemon") or {}
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: [daemon] must be a table")
@@ -186,7 +187,7 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None) -> Config:
     if unknown:
         raise ConfigError(f"{where}: [daemon] has unknown setting(s) {', '.join(sorted(unknown))}")
     port = d.get("metrics_port")
-    if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
         raise ConfigError(f"{where}: [daemon] metrics_port must be a port number, got {port!r}")
     allow = d.get("allow_homes", [])
     if not isinstance(allow, list) or not all(isinstance(a, str) for a in allow):

@@ -27,8 +27,8 @@ at the code that warned, it covers collection too, and pytest applies it per tes
 without extra code; known third-party noise would be listed in the ini as ignores, each
 with its reason (none is needed today). Unraisable exceptions (e.g. a ResourceWarning from an unclosed file in
 __del__) reach pytest as warnings, so they fail too. A test that must tolerate a known kvdata
-leak says so with @pytest.mark.filterwarnings("ignore:...:ResourceWarning") and a comment
-naming the bug (tests/integration/test_tiers.py HTTP_SOCKETS_LEAK, tests/unit/test_protocol.py).
+leak would say so with @pytest.mark.filterwarnings("ignore:...:ResourceWarning") and a comment
+naming the bug (none does today).
 
 Timeouts: pytest-timeout with a default `timeout` in the ini (generous: this suite runs
 on 2 shared cores); long tests carry @pytest.mark.timeout(N).

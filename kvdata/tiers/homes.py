@@ -352,6 +352,8 @@ class HTTPHome(Home):
         self._scheme, self._host, self._port = u.scheme, u.hostname, u.port
         self._base = u.path.rstrip("/")
         self._local = threading.local()
+        self._open: set[http.client.HTTPConnection] = set()  # every thread's, so close() closes them all
+        self._open_lock = threading.Lock()
 
     def _conn(self) -> http.client.HTTPConnection:
         c = getattr(self._local, "conn", None)
@@ -361,7 +363,15 @@ class HTTPHome(Home):
             else:
                 c = http.client.HTTPConnection(self._host, self._port, timeout=60)
             self._local.conn = c
+            with self._open_lock:
+                self._open.add(c)
         return c
+
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
+        self._local.conn = None
+        with self._open_lock:
+            self._open.discard(conn)
 
     def _request(self, method: str, name: str, headers: dict[str, str],
                  limit: int = READ_LIMIT) -> tuple[http.client.HTTPResponse, bytes, bool]:
@@ -376,15 +386,13 @@ class HTTPHome(Home):
                 body = resp.read(limit)
                 more = not resp.isclosed() and bool(resp.read(1))
             except (http.client.HTTPException, OSError) as e:
-                conn.close()
-                self._local.conn = None
+                self._drop(conn)
                 if attempt == 2:
                     raise RemoteError(f"{self.where(name)}: {e}") from None
                 continue
             if more:  # the rest stays unread: this connection cannot be reused
                 resp.close()
-                conn.close()
-                self._local.conn = None
+                self._drop(conn)
             return resp, body, more
         raise AssertionError("unreachable")
 
@@ -426,9 +434,12 @@ class HTTPHome(Home):
         return body
 
     def close(self) -> None:
-        c = getattr(self._local, "conn", None)
-        if c is not None:
+        """Close every thread's connection (threads of a pool that staged from this home)."""
+        with self._open_lock:
+            conns, self._open = self._open, set()
+        for c in conns:
             c.close()
+        self._local = threading.local()
 
 
 class PassedFiles(Home):

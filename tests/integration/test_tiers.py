@@ -51,11 +51,6 @@ from helpers.servers import (
 N_SAMPLES = 160  # 12 sealed shards of ~124 KiB (64KB shard size; values span two LMDB pages)
 KINDS = ("local", "s3", "http")
 
-# kvdata bug (reported, kvdata/tiers/homes.py): HTTPHome keeps one keep-alive connection per
-# thread in a threading.local and close() closes only the calling thread's, so the sockets of
-# the engine's staging threads are left to the garbage collector (a ResourceWarning when the
-# thread pool shuts down). Only the tests that stage from an HTTP home on worker threads carry it.
-HTTP_SOCKETS_LEAK = pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning")
 
 
 @dataclass
@@ -146,7 +141,7 @@ def sample_range(src: Source, shard: int) -> list[int]:
 # ------------------------------------------------------------------ every home serves the same samples
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=HTTP_SOCKETS_LEAK) if k == "http" else k for k in KINDS])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_every_home_serves_the_source_samples(kind: str, homes: Homes, tmp_path: Path) -> None:
     src = homes.src
     cfg = tiers_config(tmp_path / "tiers", ("ram", "2MB"), ("ssd", "8MB"))
@@ -300,7 +295,6 @@ def test_eviction_follows_the_announced_order(homes: Homes, tmp_path: Path) -> N
         home.close()
 
 
-@HTTP_SOCKETS_LEAK
 def test_prefetch_with_parallel_workers_stays_within_budget(homes: Homes, tmp_path: Path) -> None:
     """With several staging workers (the default), a tier at rest holds no more than its budget."""
     src = homes.src
@@ -358,17 +352,21 @@ def _damage(homes: Homes, kind: str, url: str, name: str, data: bytes) -> None:
 
 
 def _flipped_zst(homes: Homes, url: str, name: str) -> bytes:
-    z = bytearray(open_home(url).read(f"shards/{name}"))
+    home = open_home(url)
+    try:
+        z = bytearray(home.read(f"shards/{name}"))
+    finally:
+        home.close()
     z[len(z) // 2] ^= 0xFF
     return bytes(z)
 
 
 @pytest.mark.parametrize("kind,damage", [
     ("s3", "recompressed"),
-    pytest.param("http", "recompressed", marks=HTTP_SOCKETS_LEAK),
+    ("http", "recompressed"),
     ("local", "recompressed"),
     ("s3", "corrupt-zst"),
-    pytest.param("http", "corrupt-zst", marks=HTTP_SOCKETS_LEAK),
+    ("http", "corrupt-zst"),
 ])
 def test_checksum_mismatch_at_the_home_is_never_served(kind: str, damage: str, homes: Homes, tmp_path: Path,
                                                        cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -483,7 +481,6 @@ def test_copy_deleted_under_a_running_reader(kind: str, homes: Homes, tmp_path: 
         st.close()
 
 
-@HTTP_SOCKETS_LEAK
 def test_shards_being_read_are_not_evicted(homes: Homes, tmp_path: Path) -> None:
     src = homes.src
     cfg = tiers_config(tmp_path / "tiers", ("ssd", "8MB"))
@@ -513,7 +510,6 @@ HELD_BUG = ("BUG kvdata/tiers.py Engine._make_room (with policy.plan_eviction): 
             "(in_flight never 0, CPU spinning) that never stages the next-needed shards")
 
 
-@HTTP_SOCKETS_LEAK
 def test_prefetch_goes_on_around_a_shard_held_by_a_reader(homes: Homes, tmp_path: Path) -> None:
     """A reader maps a shard no announced order needs; the engine must leave it and keep
     prefetching the next-needed shards by evicting others."""

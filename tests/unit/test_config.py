@@ -90,7 +90,7 @@ def test_bad_budget_string_names_the_tier_budget(budget: str) -> None:
     assert repr(budget) in str(e.value)  # and the value
 
 
-@pytest.mark.parametrize("budget", [0, -4096, True, False, None, ["1GB"], {"size": 1}])
+@pytest.mark.parametrize("budget", [0, -4096, True, False, None, ["1GB"], {"size": 1}, 1.5, 4096.0, "1.5", "2.5B"])
 def test_bad_budget_value_names_the_tier_budget(budget: Any) -> None:
     with pytest.raises(ConfigError, match=r"tier 'ram' budget"):
         parse_config(tiers(("ram", "/a", budget)))
@@ -119,9 +119,13 @@ def test_budget_must_be_positive(n: int) -> None:
     ({**tiers(("ram", "/a", "1GB")), "daemon": {"metrics_port": 0}}, ["metrics_port", "0"]),
     ({**tiers(("ram", "/a", "1GB")), "daemon": {"metrics_port": 70000}}, ["metrics_port", "70000"]),
     ({**tiers(("ram", "/a", "1GB")), "daemon": {"metrics_port": "9400"}}, ["metrics_port", "'9400'"]),
+    ({**tiers(("ram", "/a", "1GB")), "daemon": {"metrics_port": True}}, ["metrics_port", "True"]),
+    (tiers(("ram", "/a", 1.5)), ["tier 'ram' budget", "1.5"]),
+    (tiers(("ram", "/a", "lots")), ["tier 'ram' budget", "'lots'"]),
 ], ids=["no-tiers", "empty-tiers", "tiers-not-a-list", "tier-not-a-table", "missing-budget", "missing-name-path",
         "duplicate-name", "empty-name", "slash-in-name", "unknown-tier-setting", "daemon-not-a-table",
-        "unknown-daemon-setting", "port-zero", "port-too-big", "port-a-string"])
+        "unknown-daemon-setting", "port-zero", "port-too-big", "port-a-string", "port-a-bool", "budget-a-float",
+        "budget-unreadable"])
 def test_bad_config_names_the_setting(data: dict[str, Any], names: list[str]) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config(data, Path("/etc/kvdata.toml"))

@@ -238,9 +238,6 @@ def test_daemon_that_hangs_up_mid_frame_is_unavailable_not_a_crash(tmp_path: Pat
             c.request("status")
 
 
-# kvdata bug (reported, kvdata/protocol.py Client.__init__): when connect() fails the new
-# socket is not closed; it is left to the garbage collector (a ResourceWarning).
-@pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning")
 def test_stale_socket_file_means_daemon_unavailable(tmp_path: Path) -> None:
     path = tmp_path / "stale.sock"
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
