@@ -157,7 +157,15 @@ def _open_existing_tail(path: str, shard_size: int) -> lmdb.Environment:
         raise FileNotFoundError(errno.ENOENT, "no such shard file", path) from None
     try:
         pinned = os.fstat(fd).st_ino
-        env = _open_tail(path, shard_size, create=False)
+        try:
+            env = _open_tail(path, shard_size, create=False)
+        except lmdb.Error:
+            if os.path.lexists(path):
+                raise
+            # sealed and removed meanwhile; LMDB may have created the lock file before finding
+            # the data file gone: nobody uses a removed tail's lock file again (names are not reused)
+            unlink_quiet(Path(names.lmdb_lock_name(path)))
+            raise FileNotFoundError(errno.ENOENT, "the tail was sealed while it was opened", path) from None
         try:
             now = os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:

@@ -88,6 +88,9 @@ def test_reader_opening_while_writer_seals_and_rewrites(tmp_path: Path) -> None:
     m = kvdata.open(path).manifest
     tails = [p.name for p in shards.iterdir() if p.name.startswith("tail-") and not p.name.endswith("-lock")]
     assert set(tails) <= {m.tail.name} | {n for n in tails if n > m.tail.name}, tails
+    # nor an orphan LMDB lock file of a tail sealed and removed while a reader opened it
+    locks = [p.name[:-len("-lock")] for p in shards.iterdir() if p.name.endswith("-lock")]
+    assert set(locks) <= set(tails) | {m.tail.name}, (locks, tails)
 
 
 def test_rewrite_gives_new_file_names(tmp_path: Path) -> None:
