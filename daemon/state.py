@@ -317,6 +317,8 @@ class Service:
         """(path, staged, a read-only descriptor of it) -- locating again if it was evicted meanwhile."""
         for attempt in range(OPEN_ATTEMPTS):
             path, staged = self.engine.locate(home, entry)
+            if not isinstance(path, Path):  # no tier had room: a private copy in memory, sealed against writes
+                return Path(path.where), False, path.fd
             try:
                 return path, staged, os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:

@@ -9,31 +9,44 @@ real name. Readers hold a shared flock on the copies they map, so eviction (whic
 needs an exclusive one) never takes a shard being read; on Linux an unlinked file
 also stays readable through an existing map, so eviction never fails a read.
 
+A tier's budget holds across every process staging into it: room is reserved under the
+tier's budget lock before a byte is fetched (kvdata.tiers.tier: copies plus temp files in
+flight, evicting to fit). A shard that no tier has room for -- larger than every budget,
+or every tier full of copies that readers hold -- is not staged: it is read where it lies
+(a local home), or fetched, verified, into a private sealed copy in memory that only this
+reader maps.
+
 Which shards a tier holds is decided by kvdata.policy from the orders readers
 announce: prefetch the next-needed shards that fit, evict the furthest.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
-import secrets
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .._util.fsutil import fsync_dir, unlink_quiet
+from .._util.fsutil import fsync_dir
 from .._util.sizes import format_size
 from ..config import Config
 from ..errors import ConfigError, KVDataError, NoRoomError, StagingAbortedError, TierFailedError
-from ..format import ShardEntry, names
+from ..format import ShardEntry
+from ..store.shards import OpenedCopy
 from . import policy
 from .fetch import Fetcher
 from .homes import Home
-from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Tier
+from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
+
+NEED_WAIT = EVICT_GRACE + 1.0  # how long a shard a reader needs now waits for room that is about to free up
+ROOM_POLL = 0.05
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 @dataclass
@@ -45,6 +58,7 @@ class Counters:
     bytes_staged: int = 0
     bytes_from_home: int = 0
     evictions: int = 0
+    private_copies: int = 0  # shards no tier had room for, fetched into a reader's own memory
     stall_seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -68,7 +82,10 @@ class Engine:
         self.tiers = [Tier(t) for t in config.tiers]
         for t in self.tiers:
             t.ensure()
-            t.clean_partials()
+            try:
+                t.clean_partials()
+            except OSError as e:
+                t.fail(e.strerror or str(e))
         self.part_size, self.parts_in_flight, self.prefetch = part_size, parts_in_flight, prefetch
         self.lookahead = lookahead
         self._parts = ThreadPoolExecutor(max(4, parts_in_flight * workers), thread_name_prefix="kvdata-part")
@@ -76,6 +93,7 @@ class Engine:
         self._workers = workers
         self._lock = threading.RLock()
         self._inflight: dict[tuple[str, str], Future[Path]] = {}
+        self._need_now: weakref.WeakSet[Future[Path]] = weakref.WeakSet()  # jobs that waited for room
         self._demands: dict[str, policy.Demand] = {}
         self._known: dict[str, _Known] = {}
         self.stats = Counters()
@@ -108,8 +126,10 @@ class Engine:
                 return t.path(sha)
         return None
 
-    def locate(self, home: Home, entry: ShardEntry) -> tuple[Path, bool]:
-        """(path of a complete copy, whether it is a staged copy) -- staging it now if needed."""
+    def locate(self, home: Home, entry: ShardEntry) -> tuple[Path | OpenedCopy, bool]:
+        """(a complete verified copy, whether it is a staged copy to hold a reader lock on) --
+        staging it now if needed. The copy is a path, or (no tier had room) an open descriptor
+        of a private sealed copy in memory, which the caller then owns."""
         sha = entry.sha256
         self._known.setdefault(sha, _Known(home, entry))
         p = self.fastest_copy(sha)
@@ -125,10 +145,9 @@ class Engine:
         with self._lock:  # keep it from eviction until the reader has mapped (and locked) it
             self._pinned[sha] = time.monotonic() + PIN_SECONDS
         try:
-            path = self._stage_now(home, entry)
+            return self._stage_now(home, entry)
         finally:
             self._count("stall_seconds", time.monotonic() - t0)
-        return path, True
 
     def start_many(self, home: Home, entries: list[ShardEntry]) -> None:
         """A batch needs these shards now: start staging every one that is not anywhere yet,
@@ -142,24 +161,49 @@ class Engine:
                     self._pinned[e.sha256] = time.monotonic() + PIN_SECONDS
                 self.stage(home, e, tier.name, need_now=True)
 
-    def _stage_now(self, home: Home, entry: ShardEntry) -> Path:
-        """Stage into the fastest healthy tier; a tier that fails is reported and skipped."""
+    def _stage_now(self, home: Home, entry: ShardEntry) -> tuple[Path | OpenedCopy, bool]:
+        """Stage into the fastest healthy tier with room; a tier that fails is reported and
+        skipped. No room anywhere: read the home in place, or a private copy in memory."""
         last: BaseException | None = None
+        full = False
         for tier in self.tiers:
             if not tier.healthy():
+                full = full or tier.untrusted() is not None  # skipped for its permissions: read around it
                 continue
             try:
+                fut = self.stage(home, entry, tier.name, need_now=True)
                 try:
-                    return self.stage(home, entry, tier.name, need_now=True).result()
-                except NoRoomError:  # we waited on a prefetch of this shard that gave up: a reader needs it now
-                    return self._stage_job(home, entry, tier, True)
+                    return fut.result(), True
+                except NoRoomError:
+                    if fut in self._need_now:  # it waited for room already
+                        raise
+                    # we waited on a prefetch of this shard that gave up: a reader needs it now
+                    return self._stage_job(home, entry, tier, True), True
+            except NoRoomError:
+                full = True
             except TierFailedError as e:
                 last = e
         local = home.local_path(f"shards/{entry.name}")
         if local is not None and local.exists():  # no tier can hold it: read the home in place
             self._count("home_reads", 1)
-            return local
+            return local, False
+        if full:
+            return self._private_copy(home, entry), False
         raise last or KVDataError("no cache tier is usable (see `kvdata status`); fix the tier directories")
+
+    def _private_copy(self, home: Home, entry: ShardEntry) -> OpenedCopy:
+        """The shard fetched and verified into memory of this process (a memfd, sealed against
+        writes, so it can be handed to anyone): no tier's budget is exceeded for it."""
+        fd = os.memfd_create(f"kvdata-{entry.sha256[:16]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            with os.fdopen(os.dup(fd), "wb") as f:
+                self._copy_verified(home, entry, None, f)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._count("private_copies", 1)
+        return OpenedCopy(fd, f"{home.where(f'shards/{entry.name}')} (a private copy in memory: no tier had room)")
 
     def _grace(self, sha: str) -> float:
         """Copies another process staged get a short grace (its reader may be about to map them)."""
@@ -197,6 +241,8 @@ class Engine:
             if fut is None:
                 fut = self._jobs.submit(self._stage_job, home, entry, target, need_now)
                 self._inflight[key] = fut
+                if need_now:
+                    self._need_now.add(fut)
                 fut.add_done_callback(functools.partial(self._done, key))
         return fut
 
@@ -232,18 +278,24 @@ class Engine:
         with tier.staging_lock(sha):
             if tier.has(sha):
                 return dest
-            if not self._make_room(tier, size, need_now):
+            if tier.occupied(sha):  # another user's file holds the name in a shared tier
                 raise NoRoomError(tier.name)
-            tmp = tier.dir / names.temp_name(sha, f"{os.getpid()}.{secrets.token_hex(4)}")
+            res = self._reserve(tier, sha, size, need_now)
             try:
-                with open(tmp, "wb") as f:
+                with res.file as f:
                     self._copy_verified(home, entry, tier, f)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, dest)
+                    try:  # renamed while its temp is locked (never taken for abandoned), under the
+                        with tier.budget_lock():  # budget lock (a count never misses it mid-rename)
+                            os.replace(res.path, dest)
+                    except PermissionError:
+                        if tier.occupied(sha):  # planted meanwhile
+                            raise NoRoomError(tier.name) from None
+                        raise
                 fsync_dir(tier.dir)
             except BaseException:
-                unlink_quiet(tmp)
+                res.discard()
                 raise
         self._count("shards_staged", 1)
         self._count("bytes_staged", size)
@@ -251,28 +303,51 @@ class Engine:
             self._own.add(sha)
         return dest
 
-    def _copy_verified(self, home: Home, entry: ShardEntry, target: Tier, out: BinaryIO) -> None:
+    def _copy_verified(self, home: Home, entry: ShardEntry, target: Tier | None, out: BinaryIO) -> None:
         self._fetcher.copy_verified(self.tiers, home, entry, target, out)
 
-    def _make_room(self, tier: Tier, size: int, need_now: bool) -> bool:
-        """Evict per policy until `size` fits; a need-now shard goes in even if nothing can go."""
-        with self._lock:
-            demands = list(self._demands.values())
-        return self._evict_until_fits(tier, size, demands, self._pinned_now()) or need_now
+    def _reserve(self, tier: Tier, sha: str, size: int, need_now: bool) -> Reservation:
+        """Room for `size` bytes, reserved under the tier's budget lock (every process of this
+        uid staging into the tier takes it): abandoned temp files go, copies are evicted in
+        policy order, and the temp file is created at full size before the lock is let go.
+        A need-now shard waits a little for room that is about to free up (copies another
+        process just staged, temp files in flight); NoRoomError if none comes."""
+        if size > tier.budget:
+            raise NoRoomError(tier.name)
+        deadline = time.monotonic() + (NEED_WAIT if need_now else 0.0)
+        while True:
+            with self._lock:
+                demands = list(self._demands.values())
+            with tier.budget_lock():
+                tier.reclaim_abandoned()
+                fits, soon = self._evict_until_fits(tier, size, demands, self._pinned_now())
+                if fits:
+                    return tier.reserve(sha, size)
+            if not soon or time.monotonic() >= deadline or self._abort.is_set() or self._closed:
+                raise NoRoomError(tier.name)
+            time.sleep(ROOM_POLL)
 
-    def _evict_until_fits(self, tier: Tier, incoming: int, demands: list[policy.Demand], pinned: set[str]) -> bool:
-        """Evict in policy order until `incoming` more bytes fit the budget; whether they do.
+    def _evict_until_fits(self, tier: Tier, incoming: int, demands: list[policy.Demand],
+                          pinned: set[str]) -> tuple[bool, bool]:
+        """Evict in policy order until `incoming` more bytes fit the budget, counting copies
+        and temp files; (whether they fit, whether room may free up soon: a copy kept only by
+        its grace, or a temp file of a copy in flight).
 
         Walks the whole candidate list: a victim a reader holds is skipped, the next one tried."""
         resident = tier.resident()
-        used = sum(resident.values())
+        temps = tier.temps()
+        used = sum(resident.values()) + sum(temps.values())
+        soon = bool(temps)
         for victim in policy.eviction_order(resident, demands, in_use=pinned):
             if used + incoming <= tier.budget:
                 break
-            if tier.try_evict(victim, grace=self._grace(victim)):
+            why = tier.evict_one(victim, grace=self._grace(victim))
+            if why == "gone":
                 self._count("evictions", 1)
                 used -= resident[victim]
-        return used + incoming <= tier.budget
+            elif why == "recent":
+                soon = True
+        return used + incoming <= tier.budget, soon
 
     # ------------------------------------------------------------ order-aware prefetch
 
@@ -388,7 +463,8 @@ class Engine:
         for t in self.tiers:
             ok = t.healthy()
             res = t.resident()
-            tiers.append({"name": t.name, "path": str(t.root), "budget": t.budget, "used": sum(res.values()),
+            used = sum(res.values()) + sum(t.temps().values())
+            tiers.append({"name": t.name, "path": str(t.root), "budget": t.budget, "used": used,
                           "shards": len(res), "ok": ok, "problem": t.problem})
         s = self.stats
         lookups = s.hits + s.misses
@@ -396,7 +472,7 @@ class Engine:
             inflight = len(self._inflight)
         return {"tiers": tiers, "hits": s.hits, "misses": s.misses, "hit_rate": s.hits / lookups if lookups else None,
                 "shards_staged": s.shards_staged, "bytes_staged": s.bytes_staged, "bytes_from_home": s.bytes_from_home,
-                "evictions": s.evictions, "home_reads": s.home_reads,
+                "evictions": s.evictions, "home_reads": s.home_reads, "private_copies": s.private_copies,
                 "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight,
                 "readers": len(self._demands), "errors": list(s.errors)}
 

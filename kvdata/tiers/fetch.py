@@ -37,8 +37,11 @@ class Fetcher:
         self._abort, self._on_home_bytes = abort, on_home_bytes
         self.verify_content = verify_content
 
-    def copy_verified(self, tiers: list[Tier], home: Home, entry: ShardEntry, target: Tier, out: BinaryIO) -> None:
+    def copy_verified(self, tiers: list[Tier], home: Home, entry: ShardEntry, target: Tier | None,
+                      out: BinaryIO) -> None:
         """Write the shard's uncompressed bytes to `out` from the fastest source, verified.
+        Never more than the manifest's size is written (`out` may be a reservation of exactly
+        that size: it is rewritten from its start, never truncated).
 
         From another tier or an uncompressed home file: sha256 of the bytes written. From
         a .zst: the sha256 of the compressed object (as push recorded it), zstd's own
@@ -54,17 +57,17 @@ class Fetcher:
             if t is not target and t.has(entry.sha256):
                 try:
                     with open(t.path(entry.sha256), "rb") as f:
-                        self._check(where, entry, *self._hash_copy(iter(lambda: f.read(CHUNK), b""), out))
+                        self._check(where, entry, *self._hash_copy(iter(lambda: f.read(CHUNK), b""), out,
+                                                                   entry, where))
                     return
                 except FileNotFoundError:  # evicted meanwhile: fall through to the next source
                     out.seek(0)
-                    out.truncate()
         passed = home.open_passed(entry.sha256)
         if passed is not None:  # a descriptor the client opened: nothing else of its dataset is read
             fd, kind = passed
             try:
                 if kind == "mdb":
-                    digest, n = self._hash_copy(_source(pread_chunks(fd, entry.bytes, CHUNK), where), out)
+                    digest, n = self._hash_copy(_source(pread_chunks(fd, entry.bytes, CHUNK), where), out, entry, where)
                     self._on_home_bytes(n)
                     self._check(where, entry, digest, n)
                 elif entry.zst:
@@ -82,7 +85,8 @@ class Fetcher:
             except OSError as e:  # the home's trouble, not the tier's
                 raise RemoteError(f"{local}: {e.strerror or e}") from None
             with f:
-                digest, n = self._hash_copy(_source(iter(lambda: f.read(CHUNK), b""), str(local)), out)
+                digest, n = self._hash_copy(_source(iter(lambda: f.read(CHUNK), b""), str(local)), out, entry,
+                                            where)
             self._on_home_bytes(n)
             self._check(where, entry, digest, n)
             return
@@ -134,12 +138,15 @@ class Fetcher:
             raise ChecksumMismatchError(f"{where}: the compressed copy decompresses to other content than the manifest's "
                                         f"sha256 {entry.sha256[:16]}...; it was not staged")
 
-    def _hash_copy(self, chunks: Iterator[bytes], out: BinaryIO) -> tuple[str, int]:
+    def _hash_copy(self, chunks: Iterator[bytes], out: BinaryIO, entry: ShardEntry, where: str) -> tuple[str, int]:
         sha = hashlib.sha256()
         n = 0
         for chunk in chunks:
             if self._abort.is_set():
                 raise StagingAbortedError("staging abandoned: the engine is closing")
+            if n + len(chunk) > entry.bytes:  # never write past the room reserved for it
+                raise ChecksumMismatchError(f"{where}: shard {entry.name} is larger than the {entry.bytes} bytes the "
+                                            "manifest gives; it was not staged. Restore the home copy (kvdata verify/push)")
             sha.update(chunk)
             out.write(chunk)
             n += len(chunk)

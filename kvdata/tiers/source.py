@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..format import ShardEntry
+from ..store.shards import OpenedCopy
 from .engine import Engine
 from .homes import Home
 
@@ -37,7 +38,7 @@ class EngineSource:
     def stager(self) -> Engine:
         return self.engine
 
-    def locate(self, entry: ShardEntry) -> tuple[Path, bool]:
+    def locate(self, entry: ShardEntry) -> tuple[Path | OpenedCopy, bool]:
         return self.engine.locate(self._home, entry)
 
     def mapped(self, entry: ShardEntry) -> None:

@@ -1,24 +1,65 @@
 """Tiers: cache directories with a byte budget, holding verified copies of sealed shards.
 
-A copy is named by its shard's sha256 (content addressing): every job and user reading
-the same shard shares one file, and a dataset rewritten at home can never be served a
-stale copy. Readers hold a shared flock on the copies they map, so eviction (which needs
-an exclusive one) never takes a shard being read; on Linux an unlinked file also stays
-readable through an existing map, so eviction never fails a read. A tier whose directory
-vanishes or whose writes fail reports why (`problem`) and is skipped for a while.
-The staging engine that fills tiers is kvdata.engine.
+A copy is named by its shard's sha256 (content addressing): every job reading the same
+shard shares one file, and a dataset rewritten at home can never be served a stale copy.
+Readers hold a shared flock on the copies they map, so eviction (which needs an exclusive
+one) never takes a shard being read; on Linux an unlinked file also stays readable through
+an existing map, so eviction never fails a read. A tier whose directory vanishes or whose
+writes fail reports why (`problem`) and is skipped for a while. The staging engine that
+fills tiers is kvdata.tiers.engine.
+
+**The budget holds across processes.** Every byte that enters a tier is reserved first,
+under the tier's budget lock (`locks/budget-<uid>.lock`, an exclusive flock held for a
+moment): count the copies and the temp files of copies in flight, evict to fit, then
+create the temp file at its full size (`reserve`). So the copies plus the temp files of
+every process of this uid never exceed the budget, however many stage at once. A temp
+file is flocked by its stager from its creation (under the budget lock) until it has its
+real name, so a temp nobody holds is provably abandoned -- its stager was killed -- and
+the next reservation removes it (`reclaim_abandoned`); until then it counts as used.
+
+**Whose copies are served (a tier shared by several users).** A name `<sha256>.mdb` is
+trusted only when nobody but this uid (or root) can have put that file under that name:
+
+- the copy is a regular file (not a symlink) owned by this uid, with one link, that
+  others cannot write (copies are created 0644 at most -- 0600 under the daemon's umask
+  -- and 0600 in a shared directory);
+- its directory and every ancestor (of the configured path and of the path it resolves
+  to) are owned by this uid or root and are not writable by others unless sticky: nobody
+  else can rename an entry in them or swap a directory in the path (a group counts as
+  others unless it is our user private group: named after us, nobody else in it);
+- a shared tier -- a sticky directory others may write, like /tmp or a root-owned 1777
+  directory -- also needs the kernel's fs.protected_hardlinks=1, so nobody can hardlink
+  one of our copies under another shard's name.
+
+A tier that fails these rules is skipped (`problem` says why and how to fix it): reads
+come from another tier, from the home, or from a private copy in memory. Files of other
+uids are never served, counted or evicted; a name another user's file holds in a shared
+tier is not staged here (the reader reads around it).
+
+*Why not verify foreign copies' sha256 on first use instead:* the owner of a file can
+rewrite it after the check (they may chmod their own file), and a reader's map shows the
+new bytes -- only a private copy would be safe, which costs what staging our own does.
+*Why not a per-uid subdirectory:* it would need the same ownership checks (another user
+could create it first) and would change the layout kvdatad and the tools share; with
+the rules above, content-named copies in one directory give the same guarantee. The
+budget is per uid: only our own files can be counted and evicted by us.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import functools
+import grp
 import os
+import pwd
+import secrets
 import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from .._util.fsutil import unlink_quiet
 from ..config import TierConfig
@@ -26,6 +67,23 @@ from ..format import names
 
 PIN_SECONDS = 5.0
 EVICT_GRACE = 2.0
+TRUST_RECHECK = 30.0  # seconds a directory's trust verdict is kept (only its owner, us or root, can change it)
+PROTECTED_HARDLINKS = Path("/proc/sys/fs/protected_hardlinks")
+
+
+class Reservation:
+    """Room for one incoming copy: its temp file, created at full size and flocked under the
+    tier's budget lock. `file` writes it; closing it releases the lock (rename first)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.file: BinaryIO = os.fdopen(fd, "wb")
+
+    def discard(self) -> None:
+        try:
+            unlink_quiet(self.path)
+        finally:
+            self.file.close()
 
 
 class Tier:
@@ -37,16 +95,32 @@ class Tier:
         self.locks = self.root / "locks"
         self.problem: str | None = None   # why the tier is unusable, for status; None when healthy
         self._problem_until = 0.0
+        self._untrusted: str | None = None
+        self._shared = False
+        self._trust_until = 0.0
 
     def ensure(self) -> None:
         """Create the tier's directories (at start only: a directory that vanishes later is
-        reported, not silently recreated on whatever filesystem lies underneath)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.locks.mkdir(parents=True, exist_ok=True)
+        reported, not silently recreated on whatever filesystem lies underneath). Never
+        writable by others, whatever the umask."""
+        missing = []
+        p = self.root
+        while not p.exists() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            d.mkdir(mode=0o755, exist_ok=True)
+        self.dir.mkdir(mode=0o755, exist_ok=True)
+        self.locks.mkdir(mode=0o755, exist_ok=True)
+        self._trust_until = 0.0
 
     def healthy(self) -> bool:
         if not self.dir.is_dir():
             self.problem = "directory missing"
+            return False
+        why = self.untrusted()
+        if why is not None:
+            self.problem = why
             return False
         if self.problem and time.monotonic() < self._problem_until:
             return False
@@ -57,19 +131,46 @@ class Tier:
         self.problem = why
         self._problem_until = time.monotonic() + seconds
 
+    def untrusted(self) -> str | None:
+        """Why names in this tier cannot be trusted (module docstring), or None; a missing
+        directory is not judged (nothing in it is served)."""
+        now = time.monotonic()
+        if now < self._trust_until:
+            return self._untrusted
+        why, shared = _directory_problem(self.dir, self.locks)
+        if why is not None or self.dir.is_dir():
+            self._untrusted, self._shared, self._trust_until = why, shared, now + TRUST_RECHECK
+        return why
+
     def path(self, sha: str) -> Path:
         return self.dir / names.staged_name(sha)
 
     def has(self, sha: str) -> bool:
-        """A copy under this name that this uid staged: a regular file it owns (a symlink
-        or a file planted by another user is never served, counted or evicted)."""
+        """A copy under this name that this uid staged (a symlink, or a file planted by
+        another user, is never served, counted or evicted; see the module docstring)."""
         try:
-            return _ours(os.lstat(self.dir / names.staged_name(sha)))
+            st = os.lstat(self.dir / names.staged_name(sha))
         except OSError:
             return False
+        return _ours(st) and self.untrusted() is None
+
+    def occupied(self, sha: str) -> bool:
+        """Another user's file holds this name and we may not replace it (a sticky shared
+        directory that is not ours): the copy cannot be staged here."""
+        try:
+            st = os.lstat(self.path(sha))
+            dst = os.stat(self.dir)
+        except OSError:
+            return False
+        me = os.geteuid()
+        return (not _ours(st) and st.st_uid != me and me != 0 and dst.st_uid != me
+                and bool(dst.st_mode & stat.S_ISVTX))
 
     def resident(self) -> dict[str, int]:
+        """sha256 -> size of the copies this uid may serve."""
         out: dict[str, int] = {}
+        if self.untrusted() is not None:
+            return out
         try:
             with os.scandir(self.dir) as it:
                 for e in it:
@@ -85,26 +186,76 @@ class Tier:
             pass
         return out
 
+    def temps(self) -> dict[str, int]:
+        """name -> size of this uid's temp files: copies in flight (each at its full size
+        from the start) and the leftovers of stagers that died."""
+        out: dict[str, int] = {}
+        try:
+            with os.scandir(self.dir) as it:
+                for e in it:
+                    if _is_temp(e.name):
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                            out[e.name] = st.st_size
+        except FileNotFoundError:
+            pass
+        return out
+
     def used(self) -> int:
-        return sum(self.resident().values())
+        """Bytes this uid holds in the tier: copies and temp files (in flight or abandoned)."""
+        return sum(self.resident().values()) + sum(self.temps().values())
+
+    def reclaim_abandoned(self) -> int:
+        """Remove this uid's temp files that no stager holds (it died mid-copy); a live
+        stager's temp is flocked, so it is never taken. Call under budget_lock: stagers
+        create and lock their temps under it, so no temp is seen before its lock."""
+        removed = 0
+        for name in self.temps():
+            p = self.dir / name
+            try:
+                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its stager is alive
+                st, now = os.fstat(fd), os.lstat(p)
+                if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                    unlink_quiet(p)
+                    removed += 1
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+        return removed
 
     def clean_partials(self) -> int:
-        """Remove temp files of stagers that died (their pid no longer runs)."""
-        removed = 0
-        try:
-            listing = os.listdir(self.dir)
-        except FileNotFoundError:
+        """Remove the temp files of stagers that died (at engine start)."""
+        if not self.dir.is_dir() or self.untrusted() is not None:
             return 0
-        for name in listing:
-            if name.startswith(".") and name.endswith(".tmp"):
-                try:
-                    pid = int(name.split(".")[2])
-                except (IndexError, ValueError):
-                    pid = -1
-                if pid == os.getpid() or not _pid_alive(pid):
-                    unlink_quiet(self.dir / name)
-                    removed += 1
-        return removed
+        with self.budget_lock():
+            return self.reclaim_abandoned()
+
+    def reserve(self, sha: str, size: int) -> Reservation:
+        """Room for `size` incoming bytes: a new temp file at that size, flocked until its
+        copy is renamed. Call under budget_lock, after making room."""
+        tmp = self.dir / names.temp_name(sha, f"{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new inode: nobody else can hold it
+            if self._shared:  # others may list a shared tier: they need not read our data either
+                os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            return Reservation(tmp, fd)
+        except BaseException:
+            os.close(fd)
+            unlink_quiet(tmp)
+            raise
 
     def held(self, shas: Iterator[str] | list[str]) -> set[str]:
         """Which of these copies a reader holds (probing with a non-blocking exclusive flock)."""
@@ -125,53 +276,125 @@ class Tier:
     def try_evict(self, sha: str, grace: float = 0.0) -> bool:
         """Delete a copy unless a reader holds it (shared flock) or it was staged less than
         `grace` seconds ago (a reader in another process may be about to map it); True if gone."""
+        return self.evict_one(sha, grace) == "gone"
+
+    def evict_one(self, sha: str, grace: float = 0.0) -> str:
+        """try_evict, saying why not: "gone", "held" (a reader maps it) or "recent" (grace)."""
         p = self.path(sha)
         if not self.has(sha):
-            return True
+            return "gone"
         try:
             fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
-            return True
+            return "gone"
         if grace and time.time() - os.fstat(fd).st_mtime < grace:
             os.close(fd)
-            return False
+            return "recent"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return False
+            return "held"
         try:
             unlink_quiet(p)
         finally:
             os.close(fd)
-        return True
+        return "gone"
+
+    @contextmanager
+    def budget_lock(self) -> Iterator[None]:
+        """Cross-process, this uid: reservations (count, evict, create the temp) one at a time."""
+        with self._lock_file(f"budget-{os.geteuid()}.lock"):
+            yield
 
     @contextmanager
     def staging_lock(self, sha: str) -> Iterator[None]:
-        """Cross-process: one stager per shard per tier; others wait and then find it staged."""
-        self.locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.locks / f"{sha}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        """Cross-process, this uid: one stager per shard per tier; others wait and then find it staged."""
+        with self._lock_file(f"{sha}-{os.geteuid()}.lock"):
+            yield
+
+    @contextmanager
+    def _lock_file(self, name: str) -> Iterator[None]:
+        """An exclusive flock on a lock file of our own (per uid: nobody else can hold it)."""
+        self.locks.mkdir(mode=0o755, exist_ok=True)
+        fd = os.open(self.locks / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(errno.EACCES, f"{self.locks / name} is not a lock file of uid {os.geteuid()}")
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
 
 
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 def _ours(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+    """A copy this uid made: a regular file it owns, with one link, that nobody else can write."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1 and not _others_may_write(st)
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+def _directory_problem(shards: Path, locks: Path) -> tuple[str | None, bool]:
+    """(why names in `shards` cannot be trusted or None, whether others may write it: shared).
+    Every directory on the way -- of the configured path and of the one it resolves to -- must
+    be owned by root or us and not writable by others unless sticky."""
+    me = os.geteuid()
+    seen: set[Path] = set()
+    shared = False
+    for top in (shards, locks):
+        for p in (Path(os.path.abspath(top)), Path(os.path.realpath(top))):
+            for d in (p, *p.parents):
+                if d in seen:
+                    continue
+                seen.add(d)
+                try:
+                    st = os.stat(d)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    return f"{d} cannot be checked ({e.strerror or e})", False
+                if st.st_uid not in (0, me):
+                    return (f"{d} is owned by uid {st.st_uid}, who could swap the copies in this tier; use a tier "
+                            f"directory of your own (or one owned by root with mode 1777)"), False
+                others_write = _others_may_write(st)
+                if others_write and not st.st_mode & stat.S_ISVTX:
+                    return (f"{d} is writable by other users, who could swap the copies in this tier; remove "
+                            "group/other write permission (or make it sticky: chmod +t)"), False
+                if others_write and d == p and top == shards:
+                    shared = True
+    if shared and _protected_hardlinks() != 1:
+        return (f"{shards} is shared with other users (sticky, writable by others) but fs.protected_hardlinks is "
+                "not 1, so they could hardlink your copies under other names; set it (sysctl) or use a private "
+                "tier directory"), True
+    return None, shared
+
+
+def _others_may_write(st: os.stat_result) -> bool:
+    """Whether a user other than us may write this file or directory (its group too, unless
+    it is our user private group: named after us and with nobody else in it)."""
+    if st.st_mode & stat.S_IWOTH:
         return True
-    return True
+    return bool(st.st_mode & stat.S_IWGRP) and not _private_group(st.st_gid, os.geteuid(), os.getegid())
+
+
+@functools.lru_cache(maxsize=64)
+def _private_group(gid: int, uid: int, egid: int) -> bool:
+    try:
+        group = grp.getgrgid(gid)
+        me = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return False
+    return gid == egid and group.gr_name == me and set(group.gr_mem) <= {me}
+
+
+def _protected_hardlinks() -> int:
+    try:
+        return int(PROTECTED_HARDLINKS.read_text().strip())
+    except (OSError, ValueError):
+        return 0
 
 
 TIER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO, errno.EPERM}
