@@ -56,6 +56,7 @@ RECORD_OVERHEAD = 64       # LMDB's per-record bytes beyond the value, for seali
 DEFAULT_SHARD_SIZE = 256_000_000
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
 LOST_FOUND = "lost+found"  # where recovery moves files it cannot account for
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 Row = tuple[int, int, int]  # (shard id, slot, label) of one sample
 
@@ -96,8 +97,13 @@ class Writer:
                 and any(p.name != names.LOCK for p in root.iterdir()):
             raise NotADatasetError(f"{root} exists, is not empty and is not a kvdata dataset; choose another path")
         fresh_dir = not root.exists() or not any(root.iterdir())
-        root.mkdir(parents=True, exist_ok=True)
-        self._lock: WriterLock | None = WriterLock(root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self._lock: WriterLock | None = WriterLock(root)
+        except OSError as e:
+            if _disk_full(e):
+                raise CommitError(_full_at_open(root, e)) from None
+            raise
         self._retired: Manifest | None = None  # the generation a "w" rewrite replaced: its files may go
         self._written: set[str] = set()  # shard-dir files this writer created: recovery may remove them
         self._created = False  # True: this writer made the dataset, so a failed first write removes it
@@ -121,8 +127,10 @@ class Writer:
             if requested is not None and requested != self.m.shard_size:
                 self.m = self.m.replace(shard_size=requested)  # applies to shards sealed from now on
                 self.pending.dirty = True
-        except BaseException:
+        except BaseException as e:
             self._unlock()
+            if isinstance(e, OSError) and _disk_full(e):
+                raise CommitError(_full_at_open(root, e)) from None
             raise
 
     @property
@@ -165,6 +173,8 @@ class Writer:
             self.env = open_tail_for_write(tail_path, self.shard_size)
             truncate_tail(self.env, m.tail.records)
         except lmdb.Error as e:
+            if _disk_full(e):
+                raise CommitError(_full_at_open(self.root, e)) from None
             reason = (str(e).splitlines() or [""])[0].removeprefix(f"{tail_path}: ") or type(e).__name__
             raise CorruptDatasetError(f"{tail_path}: cannot open the tail shard ({reason}); run `kvdata reindex`") from None
         self.tail_id = m.tail.id
@@ -458,7 +468,7 @@ class Writer:
 
     def _failure_message(self, e: BaseException) -> str:
         gen = self.m.generation
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or isinstance(e, lmdb.MapFullError):
+        if _disk_full(e) or isinstance(e, lmdb.MapFullError):
             why = "the disk is full"
         elif isinstance(e, lmdb.Error):  # LMDB reports ENOSPC/EFBIG as text, often as a bare I/O error
             why = f"writing the tail shard failed: {e}; is the disk full?"
@@ -552,6 +562,20 @@ class Writer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether an OSError or an LMDB error says the disk (or the quota) is full: LMDB gives the
+    errno only in its text (and a short write as a bare I/O error, which this cannot tell)."""
+    if getattr(e, "errno", None) in DISK_FULL_ERRNOS:
+        return True
+    return isinstance(e, lmdb.Error) and any(os.strerror(n) in str(e) for n in DISK_FULL_ERRNOS)
+
+
+def _full_at_open(root: Path, e: BaseException) -> str:
+    reason = getattr(e, "strerror", None) or str(e)
+    return (f"{root}: cannot open it for writing, the disk is full ({reason}); nothing was committed; "
+            "free space on its filesystem and try again")
 
 
 def _holds_data(root: Path) -> bool:
