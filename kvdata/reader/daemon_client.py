@@ -296,6 +296,12 @@ class DaemonStager:
                 return path, staged
         return self._engine().locate(self._home, entry)
 
+    def wants_whole(self, entry: ShardEntry) -> bool:
+        return True  # (issue 12: the daemon's policy for unannounced orders decides)
+
+    def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
+        return None  # (issue 12: record-granular reads from the home)
+
     def mapped(self, entry: ShardEntry) -> None:
         if self._fallback is not None:
             self._fallback.unpin(entry.sha256)

@@ -37,6 +37,15 @@ class ShardSource(Protocol):
     def mapped(self, entry: ShardEntry) -> None:
         """The reader has mapped (and reader-locked) the copy."""
 
+    def wants_whole(self, entry: ShardEntry) -> bool:
+        """Whether this shard is read through a whole copy (staged, announced, resident, or
+        read in place); False: its samples are read record by record (`read_records`)."""
+
+    def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
+        """The stored record bytes (LMDB values) of these slots of a shard, each read on its own
+        from the home and verified; None when this source cannot (the reader then stages the
+        shard whole)."""
+
     def need(self, entries: Sequence[ShardEntry]) -> None:
         """A batch needs these unmapped shards now: start them all at once."""
 

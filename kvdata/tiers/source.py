@@ -44,6 +44,12 @@ class EngineSource:
     def mapped(self, entry: ShardEntry) -> None:
         self.engine.unpin(entry.sha256)
 
+    def wants_whole(self, entry: ShardEntry) -> bool:
+        return True  # (issue 12: the engine's policy for unannounced orders decides)
+
+    def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
+        return None  # (issue 12: record-granular reads from the home)
+
     def need(self, entries: Sequence[ShardEntry]) -> None:
         self.engine.start_many(self._home, list(entries))
 
