@@ -281,12 +281,12 @@ class Poller(threading.Thread):
 
 
 def dir_used(tier_root: Path) -> int:
-    """What Tier.used() counts: the real-named copies <sha>.mdb (not temp files)."""
+    """Bytes on disk in a tier: the copies <sha>.mdb and in-flight temp files (what Tier.used() counts)."""
     total = 0
     try:
         with os.scandir(tier_root / "shards") as it:
             for e in it:
-                if e.name.endswith(".mdb") and not e.name.startswith("."):
+                if e.name.endswith(".mdb") or e.name.endswith(".tmp"):
                     try:
                         total += e.stat().st_size
                     except FileNotFoundError:
