@@ -160,6 +160,7 @@ BENCHES: list[Bench] = [
     Bench("store_read", "store_read.py", ["--quick"], [], notes=store_read_notes, plot="store_read"),
     Bench("loader", "loader.py", ["--quick"], [], requires=_torch, notes=loader_notes, plot="loader"),
     Bench("crash_kill", "crash_kill.py", ["--quick"], []),
+    Bench("reader_opens", "reader_opens.py", ["--quick"], []),
     Bench("staging_local", "staging.py", ["local", "--quick"], ["local"], plot="staging_local"),
     Bench("staging_policy", "staging.py", ["policy", "--quick"], ["policy"], plot="staging_policy"),
     Bench("staging_network", "staging.py", ["network", "--netlab-up", "--rtt-ms", "10", "--quick"],
