@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from .. import format as fmt
 from .._util.progress import progress as make_progress
 from ..errors import CorruptDatasetError, KVDataError
+from ..format import ShardEntry
 from ..format.codec import file_sha256
 from . import index as ix
 from .facade import Store
@@ -60,107 +62,133 @@ def verify_store(store: Store, *, progress: bool | None = None) -> dict[str, Any
 
 
 def _verify(store: Store, show: bool | None) -> dict[str, Any]:
-    root = store.root
     m = store.manifest
-    reader = store.reader()
-    idx = reader.gen.index
-    source = store.source
-    bad_shards: list[dict[str, Any]] = []
-    bad_records: list[dict[str, Any]] = []
-    index_problems: list[str] = []
-    checked = 0
+    idx = store.reader().gen.index
+    v = _Verification(store)
     bar = make_progress(idx.records_count + idx.tail_records or None, "verify", show)
     try:
         for e in m.shards:
-            path = reader.gen.shard_path(e)
-            opened: OpenedCopy | None = None  # a copy the daemon passed as a descriptor
-            if source is not None:
-                try:
-                    located = source.locate(e)[0]
-                except KVDataError as err:
-                    bad_shards.append({"shard": e.name, "problem": str(err)})
-                    bar.update(e.records)
-                    continue
-                if isinstance(located, OpenedCopy):
-                    opened, path = located, Path(located.where)
-                else:
-                    path = located
-            if opened is None and not path.exists():
-                bad_shards.append({"shard": e.name, "problem": "missing"})
-                bar.update(e.records)
-                continue
-            if opened is None and not path.is_file():  # a directory, a symlink loop: nothing to hash or map
-                bad_shards.append({"shard": e.name, "problem": "not a regular file"})
-                bar.update(e.records)
-                continue
-            size, sha = _fd_sha256(opened.fd) if opened is not None else file_sha256(path)
-            if size != e.bytes or sha != e.sha256:
-                bad_shards.append({"shard": e.name, "problem": "checksum mismatch" if size == e.bytes else
-                                   f"size {size} != {e.bytes}"})
-            if e.zst is not None and source is None:
-                zpath = reader.gen.shards_dir / e.zst.name
-                if not zpath.exists():
-                    bad_shards.append({"shard": e.zst.name, "problem": "missing"})
-                elif file_sha256(zpath) != (e.zst.bytes, e.zst.sha256):
-                    bad_shards.append({"shard": e.zst.name, "problem": "checksum mismatch"})
-            if size != e.bytes:
-                if opened is not None:
-                    os.close(opened.fd)
-                bar.update(e.records)
-                continue
-            sid = e.id
-            rows = idx.records[idx.base[sid]:idx.base[sid + 1]]
-            handle = SealedShard(opened if opened is not None else path, size)
-            for slot, (off, psize, hk) in enumerate(zip(rows["offset"].tolist(), rows["size"].tolist(),
-                                                         rows["head_kind"].tolist())):
-                if off == int(fmt.UNKNOWN_OFFSET):
-                    try:
-                        v: Any = handle.lmdb_value(slot)
-                    except (lmdb.Error, CorruptDatasetError) as exc:
-                        reason = (str(exc).splitlines() or [""])[0] or type(exc).__name__
-                        bad_records.append({"shard": e.name, "slot": slot, "key": None, "problem": f"LMDB: {reason}"})
-                        continue
-                else:
-                    end = off + (hk & fmt.MAX_HEAD) + psize
-                    if end > size:
-                        bad_records.append({"shard": e.name, "slot": slot, "key": None, "problem": "offset past end"})
-                        continue
-                    v = handle.mv[off:end]
-                key, problem = _check_record(v)
-                if problem:
-                    bad_records.append({"shard": e.name, "slot": slot, "key": key, "problem": problem})
-                checked += 1
-            if opened is not None:
-                handle.close()
-            bar.update(len(rows))
-        tail = m.tail
-        tail_path = reader.gen.tail_path
-        if tail.records:
-            if not tail_path.exists():
-                bad_shards.append({"shard": tail.name, "problem": "missing"})
-            else:
-                try:
-                    check_lmdb_file(tail_path)
-                    for slot, v in iter_lmdb_records(tail_path, tail=True, shard_size=m.shard_size):
-                        if slot >= tail.records:
-                            break
-                        key, problem = _check_record(v)
-                        if problem:
-                            bad_records.append({"shard": tail.name, "slot": slot, "key": key, "problem": problem})
-                        checked += 1
-                        bar.update(1)
-                except lmdb.Error as err:
-                    bad_shards.append({"shard": tail.name, "problem": f"LMDB cannot read it ({type(err).__name__})"})
-                except CorruptDatasetError as err:
-                    bad_shards.append({"shard": tail.name, "problem": str(err)})
+            v.shard(e)
+            bar.update(e.records)
+        v.tail(bar.update)
     finally:
         bar.close()
-    if not bad_shards and not bad_records:
-        index_problems = _check_index(store)
-    ok = not (bad_shards or bad_records or index_problems)
-    return {"dataset": str(root), "generation": m.generation, "ok": ok, "samples": len(store),
-            "shards": len(m.shards) + 1, "records_checked": checked, "bad_shards": bad_shards,
-            "bad_records": bad_records, "index_problems": index_problems}
+    index_problems = _check_index(store) if not v.bad_shards and not v.bad_records else []
+    ok = not (v.bad_shards or v.bad_records or index_problems)
+    return {"dataset": str(store.root), "generation": m.generation, "ok": ok, "samples": len(store),
+            "shards": len(m.shards) + 1, "records_checked": v.checked, "bad_shards": v.bad_shards,
+            "bad_records": v.bad_records, "index_problems": index_problems}
+
+
+class _Verification:
+    """What verify found so far: problem rows per shard and per record, records checked."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.reader = store.reader()
+        self.bad_shards: list[dict[str, Any]] = []
+        self.bad_records: list[dict[str, Any]] = []
+        self.checked = 0
+
+    def _bad_shard(self, name: str, problem: str) -> None:
+        self.bad_shards.append({"shard": name, "problem": problem})
+
+    def _bad_record(self, shard: str, slot: int, key: str | None, problem: str) -> None:
+        self.bad_records.append({"shard": shard, "slot": slot, "key": key, "problem": problem})
+
+    def _copy(self, e: ShardEntry) -> tuple[Path, OpenedCopy | None] | None:
+        """The copy of a sealed shard to check (where it lies, or the source's verified copy;
+        a descriptor when the daemon passed one), or None after recording why there is none."""
+        source = self.store.source
+        path = self.reader.gen.shard_path(e)
+        if source is not None:
+            try:
+                located = source.locate(e)[0]
+            except KVDataError as err:
+                self._bad_shard(e.name, str(err))
+                return None
+            if isinstance(located, OpenedCopy):
+                return Path(located.where), located
+            path = located
+        if not path.exists():
+            self._bad_shard(e.name, "missing")
+            return None
+        if not path.is_file():  # a directory, a symlink loop: nothing to hash or map
+            self._bad_shard(e.name, "not a regular file")
+            return None
+        return path, None
+
+    def shard(self, e: ShardEntry) -> None:
+        """A sealed shard's size and sha256, its zst copy's (read in place), then every record."""
+        found = self._copy(e)
+        if found is None:
+            return
+        path, opened = found
+        size, sha = _fd_sha256(opened.fd) if opened is not None else file_sha256(path)
+        if size != e.bytes or sha != e.sha256:
+            self._bad_shard(e.name, "checksum mismatch" if size == e.bytes else f"size {size} != {e.bytes}")
+        if e.zst is not None and self.store.source is None:
+            zpath = self.reader.gen.shards_dir / e.zst.name
+            if not zpath.exists():
+                self._bad_shard(e.zst.name, "missing")
+            elif file_sha256(zpath) != (e.zst.bytes, e.zst.sha256):
+                self._bad_shard(e.zst.name, "checksum mismatch")
+        if size != e.bytes:
+            if opened is not None:
+                os.close(opened.fd)
+            return
+        handle = SealedShard(opened if opened is not None else path, size)
+        try:
+            self._records(e, handle, size)
+        finally:
+            if opened is not None:
+                handle.close()
+
+    def _records(self, e: ShardEntry, handle: SealedShard, size: int) -> None:
+        idx = self.reader.gen.index
+        rows = idx.records[idx.base[e.id]:idx.base[e.id + 1]]
+        for slot, (off, psize, hk) in enumerate(zip(rows["offset"].tolist(), rows["size"].tolist(),
+                                                     rows["head_kind"].tolist())):
+            if off == int(fmt.UNKNOWN_OFFSET):
+                try:
+                    v: Any = handle.lmdb_value(slot)
+                except (lmdb.Error, CorruptDatasetError) as exc:
+                    self._bad_record(e.name, slot, None, f"LMDB: {(str(exc).splitlines() or [''])[0] or type(exc).__name__}")
+                    continue
+            else:
+                end = off + (hk & fmt.MAX_HEAD) + psize
+                if end > size:
+                    self._bad_record(e.name, slot, None, "offset past end")
+                    continue
+                v = handle.mv[off:end]
+            self._record(e.name, slot, v)
+
+    def _record(self, shard: str, slot: int, v: Any) -> None:
+        key, problem = _check_record(v)
+        if problem:
+            self._bad_record(shard, slot, key, problem)
+        self.checked += 1
+
+    def tail(self, advance: Callable[[int], Any]) -> None:
+        """The committed records of the unsealed tail, read through LMDB."""
+        m = self.store.manifest
+        tail, tail_path = m.tail, self.reader.gen.tail_path
+        if not tail.records:
+            return
+        if not tail_path.exists():
+            self._bad_shard(tail.name, "missing")
+            return
+        try:
+            check_lmdb_file(tail_path)
+            for slot, v in iter_lmdb_records(tail_path, tail=True, shard_size=m.shard_size):
+                if slot >= tail.records:
+                    break
+                self._record(tail.name, slot, v)
+                advance(1)
+        except lmdb.Error as err:
+            self._bad_shard(tail.name, f"LMDB cannot read it ({type(err).__name__})")
+        except CorruptDatasetError as err:
+            self._bad_shard(tail.name, str(err))
 
 
 def _check_index(store: Store) -> list[str]:
