@@ -324,8 +324,14 @@ class Reader:
         raise AssertionError("unreachable")
 
     def _sealed_former_tail(self) -> SealedShard:
-        tid = self.gen.manifest.tail.id
+        """The shard our tail was sealed into -- only in the same incarnation: after a "w"
+        rewrite a shard with that id holds the new dataset's records, never ours."""
+        mine = self.gen.manifest
+        tid = mine.tail.id
         current = read_manifest(self.root)
+        if current.incarnation != mine.incarnation:
+            raise MissingShardError(f"{self.root} was written again (mode \"w\") since this reader opened it, and "
+                                    f"its old tail {mine.tail.name} is gone; open the dataset again")
         for e in current.shards:
             if e.id == tid:
                 return self._map_shard(e)

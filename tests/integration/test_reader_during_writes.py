@@ -116,3 +116,29 @@ def test_rewrite_gives_new_file_names(tmp_path: Path) -> None:
     assert all(bytes(new[i]) == b"new" * 1000 for i in range(50))
     old.close()
     new.close()
+
+
+def test_reader_on_old_tail_never_serves_a_rewritten_datasets_shard(tmp_path: Path) -> None:
+    """Regression: a reader whose tail was gone looked for a shard with the tail's id in the
+    current manifest without checking the incarnation, and served the new dataset's records."""
+    path = tmp_path / "ds"
+    with kvdata.open(path, "a") as s:
+        for i in range(3):
+            s.put(f"k{i}", b"old-%d" % i)
+    old = kvdata.open(path)
+    assert old.manifest.tail.records == 3
+    code = f"""
+import kvdata
+with kvdata.open({str(path)!r}, "w") as s:
+    for i in range(3):
+        s.put(f"k{{i}}", b"NEW-%d" % i)
+    s.seal()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    try:
+        got = old.get_many([0, 1, 2])
+    except MissingShardError as e:
+        assert "written again" in str(e)
+    else:
+        assert [bytes(v) for v in got] == [b"old-0", b"old-1", b"old-2"]
+    old.close()
