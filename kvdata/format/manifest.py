@@ -48,11 +48,15 @@ class _ItemAccess:
 
 @dataclass(frozen=True)
 class ZstCopy(_ItemAccess):
-    """The zstd-compressed cold copy of a sealed shard (as pushed to a home)."""
+    """The zstd-compressed cold copy of a sealed shard (as pushed to a home). With a seek
+    table (kvdata.format.frames: its size and sha256, at the end of the file), samples can be
+    read from it record by record; without one it is staged whole."""
 
     name: str
     bytes: int
     sha256: str
+    seek_bytes: int = 0
+    seek_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,14 @@ class Manifest(_ItemAccess):
 
 def _shard_json(s: ShardEntry) -> dict[str, Any]:
     return {"id": s.id, "name": s.name, "records": s.records, "bytes": s.bytes, "sha256": s.sha256,
-            "zst": None if s.zst is None else {"name": s.zst.name, "bytes": s.zst.bytes, "sha256": s.zst.sha256}}
+            "zst": None if s.zst is None else _zst_json(s.zst)}
+
+
+def _zst_json(z: ZstCopy) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": z.name, "bytes": z.bytes, "sha256": z.sha256}
+    if z.seek_sha256 is not None:
+        out["seek"] = {"bytes": z.seek_bytes, "sha256": z.seek_sha256}
+    return out
 
 
 def new_manifest(shard_size: int, compress: bool, generation: int = 0) -> Manifest:
@@ -252,8 +263,16 @@ def _shard(i: int, s: Any, incarnation: int) -> ShardEntry:
     if z is not None:
         if not isinstance(z, dict) or z.get("name") != names.zst_name(str(name)):
             raise _Bad(f"shards[{i}].zst must name {names.zst_name(str(name))!r}")
-        zst = ZstCopy(str(z["name"]), _int(z.get("bytes"), f"shards[{i}].zst.bytes"),
-                      _sha(z.get("sha256"), f"shards[{i}].zst.sha256"))
+        zbytes = _int(z.get("bytes"), f"shards[{i}].zst.bytes")
+        zsha = _sha(z.get("sha256"), f"shards[{i}].zst.sha256")
+        seek = z.get("seek")
+        if seek is None:
+            zst = ZstCopy(str(z["name"]), zbytes, zsha)
+        else:
+            if not isinstance(seek, dict):
+                raise _Bad(f"shards[{i}].zst.seek is not an object")
+            zst = ZstCopy(str(z["name"]), zbytes, zsha, _int(seek.get("bytes"), f"shards[{i}].zst.seek.bytes", zbytes),
+                          _sha(seek.get("sha256"), f"shards[{i}].zst.seek.sha256"))
     return ShardEntry(sid, str(name), _int(s.get("records"), f"shards[{i}].records"),
                       _int(s.get("bytes"), f"shards[{i}].bytes"), _sha(s.get("sha256"), f"shards[{i}].sha256"), zst)
 

@@ -300,7 +300,11 @@ class DaemonStager:
         return True  # (issue 12: the daemon's policy for unannounced orders decides)
 
     def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
-        return None  # (issue 12: record-granular reads from the home)
+        """In-process, from the home's framed cold copy (kvdata.tiers.records), as EngineSource
+        does; None for a local home (read in place) or a copy without a seek table."""
+        from ..tiers.records import reader_for
+
+        return reader_for(self._home).read(entry, slots)
 
     def mapped(self, entry: ShardEntry) -> None:
         if self._fallback is not None:

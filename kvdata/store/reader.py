@@ -12,6 +12,7 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,10 @@ class Reader:
                 where, sh, r = where[~unknown], sh[~unknown], r[~unknown]
             hk = r["head_kind"]
             self._check_rows(pos[where], sh, r, hk)
+            if self.source is not None:  # shards the source reads record by record (no whole copy)
+                done = self._read_records(where, sh, slot[where], r, hk, out, copy)
+                if done is not None:
+                    where, sh, r, hk = where[~done], sh[~done], r[~done], hk[~done]
             if self.max_open is not None:
                 self._touch(np.unique(sh).tolist())
             if self._readahead:
@@ -156,6 +161,61 @@ class Reader:
             for j, sl, v in zip(tail_at.tolist(), slot[tail_at].tolist(), self.tail_values(slot[tail_at].tolist())):
                 out[j] = self._decode_at(self.gen.tail_path, sl, v, copy)
         return out
+
+    def _read_records(self, where: np.ndarray, sh: np.ndarray, slots: np.ndarray, r: np.ndarray, hk: np.ndarray,
+                      out: list[Any], copy: bool) -> np.ndarray | None:
+        """Samples of a batch whose shard has no mapped copy and which the source does not want
+        whole: their records come from `source.read_records` (every shard of the batch at once,
+        on a few threads, so all their fetches are in flight together) and are decoded here.
+        Returns which of `where` were read (None: none); a shard the source answers None for is
+        left to the whole-shard path."""
+        source = self.source
+        assert source is not None
+        shards = self.gen.shards
+        handles = self._handles
+        groups: dict[int, list[int]] = {}
+        asked: dict[int, bool] = {}
+        for i, s in enumerate(sh.tolist()):
+            if handles[s] is not None:
+                continue
+            part = asked.get(s)
+            if part is None:
+                part = asked[s] = not source.wants_whole(shards[s])
+            if part:
+                groups.setdefault(s, []).append(i)
+        if not groups:
+            return None
+        slot_l = slots.tolist()
+        todo = list(groups)
+
+        def fetch(s: int) -> list[bytes] | None:
+            return source.read_records(shards[s], [slot_l[i] for i in groups[s]])
+
+        if len(todo) == 1:
+            got = [fetch(todo[0])]
+        else:  # threads for this batch only: a closed store leaves none behind
+            with ThreadPoolExecutor(min(len(todo), RECORDS_THREADS), thread_name_prefix="kvdata-records-batch") as ex:
+                got = list(ex.map(fetch, todo))
+        done = np.zeros(len(where), dtype=bool)
+        sizes, hks = r["size"].tolist(), hk.tolist()
+        for s, values in zip(todo, got):
+            if values is None:
+                continue
+            entry = shards[s]
+            if len(values) != len(groups[s]):
+                raise CorruptDatasetError(f"shard {entry.name}: {len(values)} records came back for "
+                                          f"{len(groups[s])} slots")
+            for i, v in zip(groups[s], values):
+                sl = slot_l[i]
+                try:
+                    if len(v) != (hks[i] & _HEAD_MASK) + sizes[i]:
+                        raise CorruptDatasetError(f"the record read from the home has {len(v)} bytes, the side-index "
+                                                  f"gives {(hks[i] & _HEAD_MASK) + sizes[i]}; run `kvdata verify`")
+                    out[int(where[i])] = self.decode_value(v, copy)
+                except CorruptDatasetError as e:
+                    raise CorruptDatasetError(f"shard {entry.name} from {source.home.url}, slot {sl}: {e}") from None
+                done[i] = True
+        return done if done.any() else None
 
     def _check_rows(self, pos: np.ndarray, sh: np.ndarray, r: np.ndarray, hk: np.ndarray) -> None:
         """Side-index rows of sealed records must lie inside their shard and name a record kind a
@@ -396,6 +456,9 @@ class Reader:
             return self.find(key) is not None  # type: ignore[arg-type]
         except InvalidKeyError:
             return False
+
+
+RECORDS_THREADS = 32  # shards of one batch read record by record at once
 
 
 def _lmdb_error(path: Path, e: Exception) -> CorruptDatasetError:

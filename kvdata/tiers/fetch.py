@@ -105,8 +105,9 @@ class Fetcher:
         content = hashlib.sha256() if full else None
         src = _Parts(parts)
         # a stream reader bounds what one call decompresses (a few KB of zstd can expand to
-        # GBs): memory stays at a few chunks whatever the home or a client sends
-        dec = zstandard.ZstdDecompressor().stream_reader(src, read_size=CHUNK, read_across_frames=False)  # type: ignore[arg-type]
+        # GBs): memory stays at a few chunks whatever the home or a client sends. A framed copy
+        # (kvdata.format.frames) is many frames and a skippable seek table: read across them
+        dec = zstandard.ZstdDecompressor().stream_reader(src, read_size=CHUNK, read_across_frames=True)  # type: ignore[arg-type]
         n = 0
         writer = _Writer(out, self._abort, zsha, content)
         try:
@@ -116,7 +117,7 @@ class Fetcher:
                     raise ChecksumMismatchError(f"{where}: decompresses past the {entry.bytes} bytes the manifest gives; "
                                                 "it was not staged. Restore the home copy (kvdata push)")
                 writer.put(data, src.take())
-            for part in src.rest():  # after the frame: only hashed (a skippable frame, or garbage the sha catches)
+            for part in src.rest():  # after the last frame: only hashed (anything there, the sha catches)
                 writer.put(b"", part)
             writer.finish()
         except zstandard.ZstdError as e:
@@ -226,7 +227,7 @@ def content_matches(fd: int, kind: str, entry: ShardEntry) -> bool:
                 n += len(chunk)
         else:
             src = _Parts(pread_chunks(fd, os.fstat(fd).st_size, CHUNK))
-            dec = zstandard.ZstdDecompressor().stream_reader(src, read_size=CHUNK, read_across_frames=False)  # type: ignore[arg-type]
+            dec = zstandard.ZstdDecompressor().stream_reader(src, read_size=CHUNK, read_across_frames=True)  # type: ignore[arg-type]
             while data := dec.read(CHUNK):
                 n += len(data)
                 if n > entry.bytes:

@@ -48,7 +48,12 @@ class EngineSource:
         return True  # (issue 12: the engine's policy for unannounced orders decides)
 
     def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
-        return None  # (issue 12: record-granular reads from the home)
+        """From the home's framed cold copy (kvdata.tiers.records); None for a local home
+        (read in place) or a copy without a seek table (staged whole)."""
+        from .records import reader_for
+
+        engine = self.engine
+        return reader_for(self._home, lambda n: engine._count("bytes_from_home", n)).read(entry, slots)
 
     def need(self, entries: Sequence[ShardEntry]) -> None:
         self.engine.start_many(self._home, list(entries))

@@ -1,0 +1,294 @@
+"""The framing of a shard's cold copy (`NNNNNN.mdb.zst`): zstd frames cut at record
+boundaries, then a seek table, so a remote home can serve one record without the rest.
+
+Layout of the .zst (docs/FORMAT.md, "Cold copies"):
+
+    frame 0 .. frame F-1     ordinary zstd frames (content size and checksum set); their
+                             concatenation decompresses to the shard, byte for byte
+    seek table               one zstd *skippable* frame (magic 0x184D2A5B): zstd and every
+                             stream decoder skip it, so the file as a whole still
+                             decompresses to exactly the shard
+
+The seek table's payload (little-endian):
+
+    0   8   magic b"KVSEEK01"
+    8   4   F: frame count
+    12  4   N: slot count (0 without a slot directory)
+    16  4   flags: bit 0 = slot directory present; no other bit is defined
+    20  4   reserved (0)
+    24  8   uncompressed size (the shard's bytes)
+    32  24F frames: compressed size u32, uncompressed size u32, sha256(compressed frame)[:16]
+    ..  12N slots:  offset u64, size u32 of each slot's LMDB value in the shard, slot order
+    ..  12  trailer: the whole skippable frame's length u32, magic b"KVSEEK01" (found from the end)
+
+Frame offsets are the running sums of the sizes (no offsets are stored, so frames can never
+overlap or leave gaps). The manifest's zst entry records the table's size and sha256, so a
+reader fetches the table with one ranged GET, checks it against the manifest, and each frame
+it fetches later against the table. `decode_seek_table` treats the bytes as hostile: any
+inconsistency is a CorruptDatasetError, nothing else.
+
+Cutting: a frame ends only on an LMDB page boundary that no record value crosses; frames
+grow to `target` bytes, and a value larger than that gets a frame of its own. The value
+ranges come from the caller (the side-index rows) or from the LMDB file itself
+(`lmdb_values`: a walk over its pages; a shard written by `mdb_env_copy2(MDB_CP_COMPACT)`
+holds no free pages).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CorruptDatasetError
+
+SKIPPABLE_MAGIC = 0x184D2A5B
+TABLE_MAGIC = b"KVSEEK01"
+FLAG_SLOTS = 1
+FRAME_TARGET = 128 << 10       # uncompressed bytes per frame, unless one record is larger
+DIGEST_BYTES = 16
+_SKIP = struct.Struct("<II")
+_HEAD = struct.Struct("<8sIIIIQ")
+_TRAIL = struct.Struct("<I8s")
+FRAME_DTYPE = np.dtype([("csize", "<u4"), ("usize", "<u4"), ("digest", f"V{DIGEST_BYTES}")])
+SLOT_DTYPE = np.dtype([("offset", "<u8"), ("size", "<u4")])
+MIN_TABLE = _SKIP.size + _HEAD.size + _TRAIL.size
+
+# ---------------------------------------------------------------- LMDB pages (read only)
+
+_PAGE_HDR = 16
+_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2, _P_SUBP = 0x01, 0x02, 0x04, 0x08, 0x20, 0x40
+_F_BIGDATA = 0x01
+_LMDB_MAGIC = 0xBEEFC0DE
+_META = struct.Struct("<II16xI76xQQQQ")  # magic, version, psize (free db md_pad), entries, root, last_pg, txnid
+_PAGE = struct.Struct("<QHHHH")
+_NODE = struct.Struct("<HHHH")
+
+
+def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
+    """(offset, size) of every slot's value in an LMDB file whose keys are the 8-byte slot
+    numbers 0..n-1 (a sealed shard), in slot order, as SLOT_DTYPE rows -- or None when the
+    file is not laid out so (any doubt: the caller then cuts frames at page boundaries and
+    writes no slot directory)."""
+    size = len(buf)
+    if size < 2 * 512:
+        return None
+    best: tuple[int, int, int, int] | None = None  # txnid, psize, entries, last_pg
+    try:
+        psize0 = _META.unpack_from(buf, _PAGE_HDR)[2]
+    except struct.error:
+        return None
+    if psize0 & (psize0 - 1) or not 512 <= psize0 <= 65536 or size < 2 * psize0:
+        return None
+    for at in (0, psize0):
+        magic, _version, psize, entries, _root, last_pg, txnid = _META.unpack_from(buf, at + _PAGE_HDR)
+        if magic == _LMDB_MAGIC and psize == psize0 and (best is None or txnid > best[0]):
+            best = (txnid, psize, entries, last_pg)
+    if best is None:
+        return None
+    _txnid, psize, entries, last_pg = best
+    npages = min(last_pg + 1, size // psize)
+    if entries > size // 16:  # a value takes a node of at least 16 bytes
+        return None
+    offs = np.full(entries, -1, dtype=np.int64)
+    lens = np.zeros(entries, dtype=np.int64)
+    seen = 0
+    pg = 2
+    while pg < npages:
+        base = pg * psize
+        _pgno, _pad, flags, lower, upper = _PAGE.unpack_from(buf, base)
+        if flags & _P_OVERFLOW:
+            pages = lower | (upper << 16)
+            if pages < 1:
+                return None
+            pg += pages
+            continue
+        pg += 1
+        if not flags & _P_LEAF or flags & (_P_LEAF2 | _P_SUBP):
+            continue
+        if lower < _PAGE_HDR or lower > psize:
+            return None
+        for i in range((lower - _PAGE_HDR) >> 1):
+            ptr = int.from_bytes(buf[base + _PAGE_HDR + 2 * i:base + _PAGE_HDR + 2 * i + 2], "little")
+            if ptr + _NODE.size + 8 > psize:
+                return None
+            lo, hi, nflags, ksize = _NODE.unpack_from(buf, base + ptr)
+            if ksize != 8 or nflags & ~_F_BIGDATA:
+                return None
+            node = base + ptr + _NODE.size
+            slot = int.from_bytes(buf[node:node + 8], "big")
+            dsize = lo | (hi << 16)
+            if nflags & _F_BIGDATA:
+                if node + 16 > base + psize:
+                    return None
+                opg = int.from_bytes(buf[node + 8:node + 16], "little")
+                start = opg * psize + _PAGE_HDR
+            else:
+                start = node + 8
+                if start + dsize > base + psize:
+                    return None
+            if slot >= entries or offs[slot] >= 0 or start + dsize > size:
+                return None
+            offs[slot] = start
+            lens[slot] = dsize
+            seen += 1
+    if seen != entries:
+        return None
+    out = np.zeros(entries, dtype=SLOT_DTYPE)
+    out["offset"] = offs
+    out["size"] = lens
+    return out
+
+
+def page_size(buf: memoryview | bytes) -> int:
+    """The LMDB page size a file's first meta page gives (4096 if it gives none)."""
+    try:
+        magic, _v, psize = _META.unpack_from(buf, _PAGE_HDR)[:3]
+    except struct.error:
+        return 4096
+    if magic != _LMDB_MAGIC or psize & (psize - 1) or not 512 <= psize <= 65536:
+        return 4096
+    return int(psize)
+
+
+def frame_cuts(size: int, slots: np.ndarray | None, psize: int, target: int = FRAME_TARGET) -> list[tuple[int, int]]:
+    """[start, end) of each frame: ends on page boundaries no value crosses, frames of up to
+    `target` bytes, a value larger than that alone in its frame (with its page's remainder)."""
+    if size <= 0:
+        return []
+    npages = -(-size // psize)
+    inside = np.zeros(npages + 2, dtype=np.int64)   # boundary k (at k * psize) lies inside a value
+    if slots is not None and len(slots):
+        a = slots["offset"].astype(np.int64)
+        b = a + slots["size"].astype(np.int64)
+        first = a // psize + 1
+        last = (b - 1) // psize
+        ok = (first <= last) & (b > a)
+        np.add.at(inside, first[ok], 1)
+        np.add.at(inside, last[ok] + 1, -1)
+    crossed = np.cumsum(inside)[1:npages]          # boundaries 1 .. npages-1
+    bounds = (np.nonzero(crossed == 0)[0] + 1) * psize
+    cuts: list[tuple[int, int]] = []
+    start = prev = 0
+    for end in [*bounds.tolist(), size]:
+        if end - start > target and prev > start:
+            cuts.append((start, prev))
+            start = prev
+        prev = end
+    cuts.append((start, size))
+    return cuts
+
+
+# ---------------------------------------------------------------- the table
+
+
+def encode_seek_table(total: int, frames: list[tuple[int, int, bytes]], slots: np.ndarray | None) -> bytes:
+    """The skippable frame holding the table: frames as (compressed size, uncompressed size,
+    digest of the compressed frame), slots as SLOT_DTYPE rows (or None)."""
+    fr = np.zeros(len(frames), dtype=FRAME_DTYPE)
+    if frames:
+        fr["csize"] = [c for c, _u, _d in frames]
+        fr["usize"] = [u for _c, u, _d in frames]
+        fr["digest"] = [np.void(d[:DIGEST_BYTES]) for _c, _u, d in frames]
+    sl = np.zeros(0, dtype=SLOT_DTYPE) if slots is None else np.ascontiguousarray(slots, dtype=SLOT_DTYPE)
+    head = _HEAD.pack(TABLE_MAGIC, len(frames), len(sl), FLAG_SLOTS if slots is not None else 0, 0, total)
+    body = head + fr.tobytes() + sl.tobytes()
+    n = _SKIP.size + len(body) + _TRAIL.size
+    return _SKIP.pack(SKIPPABLE_MAGIC, n - _SKIP.size) + body + _TRAIL.pack(n, TABLE_MAGIC)
+
+
+def table_size_from_trailer(trailer: bytes) -> int | None:
+    """The seek table's size from the last TRAILER bytes of a .zst, or None if it has none."""
+    if len(trailer) != _TRAIL.size:
+        return None
+    n, magic = _TRAIL.unpack(trailer)
+    return n if magic == TABLE_MAGIC and n >= MIN_TABLE else None
+
+
+TRAILER = _TRAIL.size
+
+
+def frame_digest(frame: bytes | memoryview) -> bytes:
+    import hashlib
+
+    return hashlib.sha256(frame).digest()[:DIGEST_BYTES]
+
+
+@dataclass(frozen=True)
+class SeekTable:
+    """A decoded, consistent seek table (offsets are the running sums of the sizes)."""
+
+    total: int                 # uncompressed bytes (the shard's size)
+    c_off: np.ndarray          # int64[F + 1]: compressed offset of each frame, then the frames' end
+    u_off: np.ndarray          # int64[F + 1]: uncompressed offset of each frame, then the total
+    digests: np.ndarray        # V16[F]
+    slot_off: np.ndarray | None  # int64[N], or None without a slot directory
+    slot_size: np.ndarray | None
+
+    @property
+    def frames(self) -> int:
+        return len(self.c_off) - 1
+
+    def frames_of(self, start: int, end: int) -> range:
+        """Indices of the frames holding uncompressed bytes [start, end) (end > start)."""
+        lo = int(np.searchsorted(self.u_off, start, "right")) - 1
+        hi = int(np.searchsorted(self.u_off, end, "left"))
+        return range(max(lo, 0), min(hi, self.frames))
+
+
+def decode_seek_table(blob: bytes | memoryview, *, zst_bytes: int, shard_bytes: int, records: int | None,
+                      where: str) -> SeekTable:
+    """The seek table of a .zst of `zst_bytes` bytes whose last len(blob) bytes are `blob`, for a
+    shard of `shard_bytes` bytes and `records` slots; CorruptDatasetError naming `where` if it
+    is not a consistent one."""
+
+    def bad(what: str) -> CorruptDatasetError:
+        return CorruptDatasetError(f"{where}: the seek table is damaged ({what}); push the dataset again")
+
+    n = len(blob)
+    if n < MIN_TABLE:
+        raise bad(f"{n} bytes, shorter than its header")
+    magic, length = _SKIP.unpack_from(blob, 0)
+    if magic != SKIPPABLE_MAGIC or length != n - _SKIP.size:
+        raise bad("not a skippable frame of its own length")
+    tmagic, nframes, nslots, flags, _reserved, total = _HEAD.unpack_from(blob, _SKIP.size)
+    if tmagic != TABLE_MAGIC or _TRAIL.unpack_from(blob, n - _TRAIL.size) != (n, TABLE_MAGIC):
+        raise bad("bad magic")
+    if flags & ~FLAG_SLOTS or (not flags & FLAG_SLOTS and nslots):
+        raise bad(f"unknown flags {flags:#x}")
+    if MIN_TABLE + nframes * FRAME_DTYPE.itemsize + nslots * SLOT_DTYPE.itemsize != n:
+        raise bad(f"{nframes} frames and {nslots} slots do not fill its {n} bytes")
+    if total != shard_bytes:
+        raise bad(f"it describes {total} bytes, the shard has {shard_bytes}")
+    if zst_bytes < n:
+        raise bad("larger than the compressed copy")
+    if nframes > total or (total and not nframes):
+        raise bad(f"{nframes} frames for {total} bytes")
+    at = _SKIP.size + _HEAD.size
+    fr = np.frombuffer(blob, dtype=FRAME_DTYPE, count=nframes, offset=at)
+    at += nframes * FRAME_DTYPE.itemsize
+    csize = fr["csize"].astype(np.int64)
+    usize = fr["usize"].astype(np.int64)
+    if nframes and (int(csize.min()) < 1 or int(usize.min()) < 1):
+        raise bad("a frame of size 0")
+    c_off = np.zeros(nframes + 1, dtype=np.int64)
+    u_off = np.zeros(nframes + 1, dtype=np.int64)
+    np.cumsum(csize, out=c_off[1:])
+    np.cumsum(usize, out=u_off[1:])
+    if int(u_off[-1]) != total:
+        raise bad(f"its frames hold {int(u_off[-1])} bytes, not {total}")
+    if int(c_off[-1]) != zst_bytes - n:
+        raise bad(f"its frames take {int(c_off[-1])} bytes, the copy has {zst_bytes - n} before the table")
+    slot_off = slot_size = None
+    if flags & FLAG_SLOTS:
+        if records is not None and nslots != records:
+            raise bad(f"{nslots} slots, the shard has {records} records")
+        sl = np.frombuffer(blob, dtype=SLOT_DTYPE, count=nslots, offset=at)
+        off = sl["offset"]
+        size = sl["size"].astype(np.uint64)
+        if nslots and bool(((off > np.uint64(total)) | (size > np.uint64(total) - np.minimum(off, np.uint64(total)))).any()):
+            raise bad("a slot lies past the shard's end")
+        slot_off = off.astype(np.int64)
+        slot_size = size.astype(np.int64)
+    return SeekTable(total, c_off, u_off, fr["digest"].copy(), slot_off, slot_size)

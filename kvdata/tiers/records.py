@@ -1,0 +1,257 @@
+"""Record-granular reads from a remote home: a few samples of a shard that has no staged copy.
+
+The shard's cold copy is framed (kvdata.format.frames): zstd frames cut at record
+boundaries and a seek table whose size and sha256 the manifest records. A read fetches the
+table once per shard (cached, checked against the manifest), finds the frames holding the
+requested slots, fetches them with ranged GETs -- adjacent frames coalesced, every GET of
+the call in flight at once on a shared pool --, checks each frame against the table's
+digest before decompressing it, and cuts the records out. A frame that does not match is
+refused (ChecksumMismatchError naming the shard and the frame); nothing unverified is ever
+returned, and nothing is kept but tables.
+
+Local (and NFS) homes are read in place by the reader, and old single-frame copies (no seek
+table) are staged whole: `read` answers None for both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import zstandard
+
+from ..errors import ChecksumMismatchError, CorruptDatasetError, RemoteError
+from ..format import ShardEntry, frames, names
+from .homes import Home
+
+T = TypeVar("T")
+IN_FLIGHT = 32            # ranged GETs in flight per process (one per pool thread)
+MAX_TABLES = 256          # seek tables kept per home
+MAX_RUN = 8 << 20         # adjacent frames coalesced into one GET up to this many compressed bytes
+
+
+class RecordReader:
+    """Reads records of one home's shards from their framed cold copies."""
+
+    def __init__(self, home: Home, on_home_bytes: Callable[[int], None] | None = None) -> None:
+        self.home = home
+        self.on_home_bytes = on_home_bytes
+        self._lock = threading.Lock()
+        self._tables: OrderedDict[tuple[str, str], frames.SeekTable] = OrderedDict()
+        self._loading: dict[tuple[str, str], Future[frames.SeekTable]] = {}
+        self.bytes_fetched = 0   # from the home: tables and frames
+        self.requests = 0
+
+    def usable(self, entry: ShardEntry) -> bool:
+        """Whether this shard can be read record by record from this home."""
+        z = entry.zst
+        return (z is not None and z.seek_sha256 is not None and entry.records > 0
+                and self.home.local_path("") is None and self.home.trusted_manifest)
+
+    def _fetch(self, name: str, start: int, length: int) -> bytes:
+        data = self.home.read_range(name, start, length)
+        with self._lock:
+            self.bytes_fetched += len(data)
+            self.requests += 1
+        if self.on_home_bytes is not None:
+            self.on_home_bytes(len(data))
+        if len(data) != length:
+            raise RemoteError(f"{self.home.where(name)}: answered {len(data)} bytes for a range of {length}; "
+                              "the home copy changed or is truncated")
+        return data
+
+    # ------------------------------------------------------------ seek tables
+
+    def table(self, entry: ShardEntry) -> frames.SeekTable:
+        """The shard's seek table: fetched once (one ranged GET), checked against the manifest."""
+        z = entry.zst
+        assert z is not None and z.seek_sha256 is not None
+        key = (z.sha256, z.seek_sha256)
+        with self._lock:
+            got = self._tables.get(key)
+            if got is not None:
+                self._tables.move_to_end(key)
+                return got
+            fut = self._loading.get(key)
+            mine = fut is None
+            if fut is None:
+                fut = self._loading[key] = Future()
+        if not mine:
+            return fut.result()
+        try:
+            t = self._load_table(entry)
+        except BaseException as e:
+            with self._lock:
+                self._loading.pop(key, None)
+            fut.set_exception(e)
+            raise
+        with self._lock:
+            self._loading.pop(key, None)
+            self._tables[key] = t
+            while len(self._tables) > MAX_TABLES:
+                self._tables.popitem(last=False)
+        fut.set_result(t)
+        return t
+
+    def _load_table(self, entry: ShardEntry) -> frames.SeekTable:
+        z = entry.zst
+        assert z is not None and z.seek_sha256 is not None
+        name = f"{names.SHARDS_DIR}/{z.name}"
+        where = self.home.where(name)
+        if not frames.MIN_TABLE <= z.seek_bytes <= z.bytes:
+            raise CorruptDatasetError(f"{where}: the manifest gives a seek table of {z.seek_bytes} bytes in a "
+                                      f"{z.bytes}-byte copy; push the dataset again")
+        blob = self._fetch(name, z.bytes - z.seek_bytes, z.seek_bytes)
+        if hashlib.sha256(blob).hexdigest() != z.seek_sha256:
+            raise ChecksumMismatchError(f"{where}: the seek table of shard {entry.name} does not match the sha256 "
+                                        "the manifest gives; it was not used. Restore the home copy (kvdata push)")
+        return frames.decode_seek_table(blob, zst_bytes=z.bytes, shard_bytes=entry.bytes, records=entry.records,
+                                        where=where)
+
+    # ------------------------------------------------------------ records
+
+    def read(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
+        """The LMDB values of these slots, verified; None when this shard cannot be read so
+        (no seek table or slot directory, a local home): the caller stages it whole."""
+        if not self.usable(entry):
+            return None
+        t = self.table(entry)
+        if t.slot_off is None or t.slot_size is None:
+            return None
+        z = entry.zst
+        assert z is not None
+        name = f"{names.SHARDS_DIR}/{z.name}"
+        want: list[tuple[int, int]] = []
+        needed: set[int] = set()
+        for s in slots:
+            s = int(s)
+            if not 0 <= s < len(t.slot_off):
+                raise CorruptDatasetError(f"{self.home.where(name)}: shard {entry.name} has no slot {s}")
+            a = int(t.slot_off[s])
+            b = a + int(t.slot_size[s])
+            want.append((a, b))
+            if b > a:
+                needed.update(t.frames_of(a, b))
+        runs = _runs(sorted(needed), t)
+        futs = [_POOL.submit(self._fetch, name, int(t.c_off[lo]), int(t.c_off[hi] - t.c_off[lo])) for lo, hi in runs]
+        plain: dict[int, bytes] = {}
+        dctx = zstandard.ZstdDecompressor()
+        try:
+            for (lo, hi), fut in zip(runs, futs):
+                blob = memoryview(fut.result())
+                base = int(t.c_off[lo])
+                for f in range(lo, hi):
+                    frame = blob[int(t.c_off[f]) - base:int(t.c_off[f + 1]) - base]
+                    plain[f] = self._decompress(entry, t, f, frame, dctx)
+        finally:
+            for fut in futs:
+                fut.cancel()
+        out: list[bytes] = []
+        for a, b in want:
+            if b == a:
+                out.append(b"")
+                continue
+            parts = []
+            for f in t.frames_of(a, b):
+                u0 = int(t.u_off[f])
+                data = plain[f]
+                parts.append(data[max(a - u0, 0):min(b - u0, len(data))])
+            out.append(parts[0] if len(parts) == 1 else b"".join(parts))
+        return out
+
+    def _decompress(self, entry: ShardEntry, t: frames.SeekTable, f: int, frame: memoryview,
+                    dctx: zstandard.ZstdDecompressor) -> bytes:
+        z = entry.zst
+        assert z is not None
+        where = self.home.where(f"{names.SHARDS_DIR}/{z.name}")
+        if frames.frame_digest(frame) != t.digests[f].tobytes():
+            raise ChecksumMismatchError(
+                f"{where}: frame {f} of shard {entry.name} (bytes {int(t.c_off[f])}..{int(t.c_off[f + 1])}) does "
+                "not match its checksum in the seek table; it was not used. Restore the home copy (kvdata push)")
+        usize = int(t.u_off[f + 1] - t.u_off[f])
+        try:
+            data = dctx.decompress(frame, max_output_size=usize)
+        except zstandard.ZstdError as e:
+            raise ChecksumMismatchError(f"{where}: frame {f} of shard {entry.name} cannot be decompressed ({e}); "
+                                        "it was not used. Restore the home copy (kvdata push)") from None
+        if len(data) != usize:
+            raise ChecksumMismatchError(f"{where}: frame {f} of shard {entry.name} decompresses to {len(data)} bytes, "
+                                        f"the seek table says {usize}; it was not used")
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            self._tables.clear()
+
+
+class _Pool:
+    """A few daemon threads running the GETs of record reads, shared by the process: started
+    as needed up to `n`, again after fork; they never keep a process alive."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._lock = threading.Lock()
+        self._q: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._threads = 0
+        self._idle = 0
+        self._pid = os.getpid()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        fut: Future[T] = Future()
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's threads are not here
+                self._q, self._threads, self._idle, self._pid = queue.SimpleQueue(), 0, 0, os.getpid()
+            self._q.put((fut, fn, args))
+            if self._q.qsize() > self._idle and self._threads < self._n:
+                self._threads += 1
+                threading.Thread(target=self._run, args=(self._q,), name=f"kvdata-records-{self._threads}",
+                                 daemon=True).start()
+        return fut
+
+    def _run(self, q: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            fut, fn, args = q.get()
+            with self._lock:
+                self._idle -= 1
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+            del fut, fn, args
+
+
+_POOL = _Pool(IN_FLIGHT)
+
+
+def _runs(frame_ids: list[int], t: frames.SeekTable) -> list[tuple[int, int]]:
+    """[lo, hi) runs of adjacent frames, each at most MAX_RUN compressed bytes (or one frame)."""
+    runs: list[tuple[int, int]] = []
+    for f in frame_ids:
+        if runs and runs[-1][1] == f and int(t.c_off[f + 1] - t.c_off[runs[-1][0]]) <= MAX_RUN:
+            runs[-1] = (runs[-1][0], f + 1)
+        else:
+            runs.append((f, f + 1))
+    return runs
+
+
+_READERS_LOCK = threading.Lock()
+
+
+def reader_for(home: Home, on_home_bytes: Callable[[int], None] | None = None) -> RecordReader:
+    """The RecordReader of a home (one per Home object, kept on it, so its seek tables are
+    shared by every source reading that home in this process and go with it)."""
+    with _READERS_LOCK:
+        r = getattr(home, "_record_reader", None)
+        if not isinstance(r, RecordReader):
+            r = RecordReader(home, on_home_bytes=on_home_bytes)
+            home._record_reader = r  # type: ignore[attr-defined]
+        return r

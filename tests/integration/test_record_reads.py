@@ -1,0 +1,280 @@
+"""Record-granular reads from remote homes (issue 12, item 1): a sample whose shard has no
+staged copy is read on its own from the home's framed cold copy (kvdata.format.frames),
+verified, without staging the shard.
+
+Homes are real endpoints (moto's S3 server and nginx, tests/helpers/servers.py). The source
+is told to read record by record (`wants_whole` answers False, as the engine's policy does
+for an unannounced order); values are compared with the local dataset, bytes fetched from
+the home are counted through the home object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zstandard
+
+import kvdata
+from kvdata.errors import ChecksumMismatchError, KVDataError
+from kvdata.format import dump_manifest, frames, names, parse_manifest
+from kvdata.format.codec import compress_file, zst_copy
+from kvdata.reader.daemon_client import DaemonStager
+from kvdata.reader.open import open_dataset
+from kvdata.tiers.homes import open_home
+
+from helpers.servers import NginxHome, S3Server, push_s3, push_local, tiers_config
+
+N = 60
+SHAPE = (160, 160, 3)     # 76.8 KB of noise per sample: incompressible, like photos
+SHARD = "1MB"
+
+
+def sample(i: int) -> dict[str, Any]:
+    rng = np.random.default_rng(1000 + i)
+    return {"image": rng.integers(0, 256, size=SHAPE, dtype=np.uint8), "label": i % 5, "name": f"s{i}"}
+
+
+def as_tuple(v: Any) -> tuple:
+    return (np.asarray(v["image"]).tobytes(), int(v["label"]), str(v["name"]))
+
+
+def reframe(root: Path, keep_seek: bool = True, old_style: bool = False) -> None:
+    """Write every shard's cold copy as compress_file frames it (or, old_style, as one zstd
+    frame like kvdata before the framing) and record it in the local manifest."""
+    m = parse_manifest((root / names.MANIFEST).read_bytes(), str(root))
+    entries = []
+    for e in m.shards:
+        src = root / names.SHARDS_DIR / e.name
+        dst = src.with_name(names.zst_name(e.name))
+        with open(dst, "wb") as f:
+            if old_style:
+                cctx = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=True)
+                f.write(cctx.compress(src.read_bytes()))
+            else:
+                res = compress_file(src, f)
+        if old_style or not keep_seek:
+            data = dst.read_bytes()
+            z = kvdata.format.ZstCopy(dst.name, len(data), hashlib.sha256(data).hexdigest())
+        else:
+            z = zst_copy(dst.name, res)
+        entries.append(e.__class__(e.id, e.name, e.records, e.bytes, e.sha256, z))
+    (root / names.MANIFEST).write_bytes(dump_manifest(m.replace(shards=tuple(entries))))
+
+
+def build(path: Path, **kw: Any) -> Path:
+    with kvdata.open(path, "w", shard_size=SHARD) as s:
+        for i in range(N):
+            s.put(f"k{i:04d}", sample(i))
+        s.seal()
+    reframe(path, **kw)
+    return path
+
+
+@dataclass
+class Env:
+    src: Path
+    ref: list[tuple]
+    entries: list[Any]
+    s3: S3Server
+    nginx: NginxHome
+    scratch: Path
+    counter: int = 0
+
+    def publish(self, kind: str, src: Path | None = None) -> str:
+        self.counter += 1
+        name = f"h{self.counter}"
+        src = src or self.src
+        if kind == "s3":
+            return push_s3(src, self.s3, name)
+        local = push_local(src, self.scratch / name)
+        shutil.copytree(local, self.nginx.www / name)
+        return self.nginx.url(name)
+
+    def put(self, kind: str, url: str, name: str, data: bytes) -> None:
+        if kind == "s3":
+            self.s3.put_bytes(url.split("/", 3)[3], name, data)
+        else:
+            (self.nginx.www / url.rsplit("/", 1)[1] / name).write_bytes(data)
+
+    def shard_samples(self, shard: int) -> list[int]:
+        start = sum(e.records for e in self.entries[:shard])
+        return list(range(start, start + self.entries[shard].records))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, nginx_home: NginxHome) -> Env:
+    p = build(tmp_path_factory.mktemp("rr") / "src.kv")
+    with kvdata.open(p) as s:
+        ref = [as_tuple(v) for v in s.get_many(list(range(N)))]
+        entries = list(s.manifest.shards)
+    assert len(entries) >= 4 and all(e.zst is not None and e.zst.seek_sha256 for e in entries)
+    return Env(p, ref, entries, s3_server, nginx_home, tmp_path_factory.mktemp("scratch"))
+
+
+class Counted:
+    """Counts the bytes and requests a home answers (wraps read_range on the home object)."""
+
+    def __init__(self, home: Any) -> None:
+        self.bytes = 0
+        self.requests = 0
+        inner = home.read_range
+
+        def read_range(name: str, start: int, length: int) -> bytes:
+            data = inner(name, start, length)
+            self.bytes += len(data)
+            self.requests += 1
+            return data
+
+        home.read_range = read_range
+
+    def reset(self) -> None:
+        self.bytes = self.requests = 0
+
+
+@pytest.fixture
+def record_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sources read every shard without a mapped copy record by record (as the policy does
+    for unannounced orders)."""
+    from kvdata.tiers.source import EngineSource
+
+    monkeypatch.setattr(EngineSource, "wants_whole", lambda self, entry: False)
+    monkeypatch.setattr(DaemonStager, "wants_whole", lambda self, entry: False)
+
+
+def open_remote(url: str, tmp_path: Path) -> Any:
+    cfg = tiers_config(tmp_path / "tiers", ("ssd", "64MB"))
+    return open_dataset(url, config=cfg, use_daemon=False), cfg
+
+
+def staged_copies(cfg: Any) -> list[str]:
+    return sorted(p.name for t in cfg.tiers for p in (Path(t.path) / "shards").glob("*.mdb")) \
+        if all((Path(t.path) / "shards").is_dir() for t in cfg.tiers) else []
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_samples_are_read_record_by_record_and_match(kind: str, env: Env, tmp_path: Path, record_mode: None) -> None:
+    url = env.publish(kind)
+    st, cfg = open_remote(url, tmp_path)
+    with st:
+        counted = Counted(st.home)
+        # single samples, one from each shard
+        for shard in range(len(env.entries)):
+            i = env.shard_samples(shard)[1]
+            assert as_tuple(st[i]) == env.ref[i]
+        first = counted.bytes
+        # a batch across every shard (the tables are cached now)
+        counted.reset()
+        batch = [env.shard_samples(s)[-1] for s in range(len(env.entries))] + [3, 0]
+        got = st.get_many(batch)
+        assert [as_tuple(v) for v in got] == [env.ref[i] for i in batch]
+        fetched = counted.bytes
+        shard_bytes = sum(e.bytes for e in env.entries)   # every shard is touched
+        per_sample = fetched / len(batch)
+        print(f"{kind}: {len(batch)} samples, {fetched} bytes from the home ({per_sample:.0f} per sample of "
+              f"{SHAPE[0] * SHAPE[1] * SHAPE[2]} payload bytes; shards hold {shard_bytes}), "
+              f"{counted.requests} requests; the first {len(env.entries)} single samples took {first} bytes "
+              f"with their shards' seek tables")
+        assert fetched < shard_bytes / 4
+        assert per_sample < 1.3 * SHAPE[0] * SHAPE[1] * SHAPE[2]
+        # get_batch stacks the same arrays; copy=True gives bytes, as from a mapped shard
+        b = st.get_batch(batch[:4])
+        assert [bytes(x) for x in np.asarray(b["image"])] == [env.ref[i][0] for i in batch[:4]]
+        assert isinstance(st._reader.get_many([5], copy=True)[0]["image"], np.ndarray)
+        assert st.engine.status()["bytes_from_home"] >= fetched
+    assert staged_copies(cfg) == []   # nothing was staged whole
+
+
+def test_a_tampered_frame_is_refused_and_other_samples_still_read(env: Env, tmp_path: Path, record_mode: None) -> None:
+    url = env.publish("s3")
+    shard = 2
+    e = env.entries[shard]
+    assert e.zst is not None
+    home = open_home(url)
+    try:
+        blob = home.read(f"shards/{e.zst.name}")
+    finally:
+        home.close()
+    table = frames.decode_seek_table(blob[-e.zst.seek_bytes:], zst_bytes=len(blob), shard_bytes=e.bytes,
+                                     records=e.records, where="test")
+    assert table.slot_off is not None
+    samples = env.shard_samples(shard)
+    victim = samples[len(samples) // 2]
+    slot = victim - samples[0]
+    frame = table.frames_of(int(table.slot_off[slot]), int(table.slot_off[slot] + table.slot_size[slot]))[0]
+    bad = bytearray(blob)
+    bad[(int(table.c_off[frame]) + int(table.c_off[frame + 1])) // 2] ^= 0x01
+    env.put("s3", url, f"shards/{e.zst.name}", bytes(bad))
+    st, cfg = open_remote(url, tmp_path)
+    with st:
+        with pytest.raises(ChecksumMismatchError) as err:
+            st.get_many([victim])
+        msg = str(err.value)
+        assert f"frame {frame}" in msg and e.name in msg and "\n" not in msg
+        assert isinstance(err.value, KVDataError)
+        others = [i for i in samples if i != victim and
+                  frame not in table.frames_of(int(table.slot_off[i - samples[0]]),
+                                               int(table.slot_off[i - samples[0]] + table.slot_size[i - samples[0]]))]
+        assert others
+        assert [as_tuple(v) for v in st.get_many(others)] == [env.ref[i] for i in others]
+        with pytest.raises(ChecksumMismatchError):  # never served later either
+            st[victim]
+    assert staged_copies(cfg) == []
+
+
+@pytest.mark.parametrize("style", ["old-zst", "no-seek-in-manifest"])
+def test_a_copy_without_a_seek_table_is_staged_whole(style: str, env: Env, tmp_path: Path, record_mode: None) -> None:
+    src = build(tmp_path / "old.kv", old_style=style == "old-zst", keep_seek=False)
+    url = env.publish("s3", src)
+    st, cfg = open_remote(url, tmp_path)
+    with st:
+        counted = Counted(st.home)
+        assert as_tuple(st[7]) == env.ref[7]
+        assert [as_tuple(v) for v in st.get_many([0, N - 1])] == [env.ref[0], env.ref[N - 1]]
+        assert counted.bytes > 0
+    assert len(staged_copies(cfg)) >= 2   # the shards were staged whole, as before
+
+
+def test_the_daemon_stager_reads_records_in_process(env: Env, tmp_path: Path) -> None:
+    url = env.publish("http")
+    cfg = tiers_config(tmp_path / "tiers", ("ssd", "64MB"))
+    home = open_home(url)
+    stager = DaemonStager(None, url, home, cfg)
+    try:
+        e = env.entries[1]
+        slots = [0, e.records - 1, 2]
+        got = stager.read_records(e, slots)
+        assert got is not None and len(got) == 3
+        base = env.shard_samples(1)[0]
+        with kvdata.open(env.src) as local:
+            assert [as_tuple(local._reader.decode_value(v, True)) for v in got] == [env.ref[base + s] for s in slots]
+    finally:
+        stager.close()
+
+
+def test_local_homes_are_read_in_place(env: Env, tmp_path: Path, record_mode: None) -> None:
+    from kvdata.tiers.records import reader_for
+
+    home = open_home(str(env.src))
+    try:
+        assert reader_for(home).read(env.entries[0], [0]) is None
+    finally:
+        home.close()
+
+
+def test_the_manifest_records_the_seek_table(env: Env) -> None:
+    doc = json.loads((env.src / names.MANIFEST).read_text())
+    z = doc["shards"][0]["zst"]
+    assert set(z) == {"name", "bytes", "sha256", "seek"} and set(z["seek"]) == {"bytes", "sha256"}
+    data = (env.src / names.SHARDS_DIR / z["name"]).read_bytes()
+    assert hashlib.sha256(data[-z["seek"]["bytes"]:]).hexdigest() == z["seek"]["sha256"]
+    # the whole copy still decompresses, as one stream, to the shard
+    out = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True).read()
+    assert out == (env.src / names.SHARDS_DIR / doc["shards"][0]["name"]).read_bytes()
+
