@@ -30,8 +30,7 @@ inconsistency is a CorruptDatasetError, nothing else.
 Cutting: a frame ends only on an LMDB page boundary that no record value crosses; frames
 grow to `target` bytes, and a value larger than that gets a frame of its own. The value
 ranges come from the caller (the side-index rows) or from the LMDB file itself
-(`lmdb_values`: a walk over its pages; a shard written by `mdb_env_copy2(MDB_CP_COMPACT)`
-holds no free pages).
+(`lmdb_values`: a walk of its B-tree from the newest meta page's root).
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ MIN_TABLE = _SKIP.size + _HEAD.size + _TRAIL.size
 _PAGE_HDR = 16
 _P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2, _P_SUBP = 0x01, 0x02, 0x04, 0x08, 0x20, 0x40
 _F_BIGDATA = 0x01
+_P_INVALID = 0xFFFFFFFFFFFFFFFF
 _LMDB_MAGIC = 0xBEEFC0DE
 _META = struct.Struct("<II16xI76xQQQQ")  # magic, version, psize (free db md_pad), entries, root, last_pg, txnid
 _PAGE = struct.Struct("<QHHHH")
@@ -74,7 +74,7 @@ def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
     size = len(buf)
     if size < 2 * 512:
         return None
-    best: tuple[int, int, int, int] | None = None  # txnid, psize, entries, last_pg
+    best: tuple[int, int, int, int, int] | None = None  # txnid, psize, entries, root, last_pg
     try:
         psize0 = _META.unpack_from(buf, _PAGE_HDR)[2]
     except struct.error:
@@ -82,35 +82,43 @@ def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
     if psize0 & (psize0 - 1) or not 512 <= psize0 <= 65536 or size < 2 * psize0:
         return None
     for at in (0, psize0):
-        magic, _version, psize, entries, _root, last_pg, txnid = _META.unpack_from(buf, at + _PAGE_HDR)
+        magic, _version, psize, entries, root, last_pg, txnid = _META.unpack_from(buf, at + _PAGE_HDR)
         if magic == _LMDB_MAGIC and psize == psize0 and (best is None or txnid > best[0]):
-            best = (txnid, psize, entries, last_pg)
+            best = (txnid, psize, entries, root, last_pg)
     if best is None:
         return None
-    _txnid, psize, entries, last_pg = best
+    _txnid, psize, entries, root, last_pg = best
     npages = min(last_pg + 1, size // psize)
     if entries > size // 16:  # a value takes a node of at least 16 bytes
         return None
     offs = np.full(entries, -1, dtype=np.int64)
     lens = np.zeros(entries, dtype=np.int64)
     seen = 0
-    pg = 2
-    while pg < npages:
+    # walk the main B-tree from its root (a file that was not compacted holds free pages
+    # with stale nodes; only the tree says which pages are live)
+    stack = [] if root == _P_INVALID else [(root, 0)]
+    visited = 0
+    while stack:
+        pg, depth = stack.pop()
+        visited += 1
+        if not 2 <= pg < npages or depth > 64 or visited > npages:
+            return None
         base = pg * psize
         _pgno, _pad, flags, lower, upper = _PAGE.unpack_from(buf, base)
-        if flags & _P_OVERFLOW:
-            pages = lower | (upper << 16)
-            if pages < 1:
-                return None
-            pg += pages
-            continue
-        pg += 1
-        if not flags & _P_LEAF or flags & (_P_LEAF2 | _P_SUBP):
-            continue
-        if lower < _PAGE_HDR or lower > psize:
+        if lower < _PAGE_HDR or lower > psize or flags & (_P_LEAF2 | _P_SUBP | _P_OVERFLOW | _P_META):
             return None
-        for i in range((lower - _PAGE_HDR) >> 1):
-            ptr = int.from_bytes(buf[base + _PAGE_HDR + 2 * i:base + _PAGE_HDR + 2 * i + 2], "little")
+        nodes = (lower - _PAGE_HDR) >> 1
+        ptrs = [int.from_bytes(buf[base + _PAGE_HDR + 2 * i:base + _PAGE_HDR + 2 * i + 2], "little") for i in range(nodes)]
+        if any(ptr + _NODE.size > psize for ptr in ptrs):
+            return None
+        if flags & _P_BRANCH:
+            for ptr in reversed(ptrs):
+                lo, hi, top, _ksize = _NODE.unpack_from(buf, base + ptr)
+                stack.append((lo | (hi << 16) | (top << 32), depth + 1))
+            continue
+        if not flags & _P_LEAF:
+            return None
+        for ptr in ptrs:
             if ptr + _NODE.size + 8 > psize:
                 return None
             lo, hi, nflags, ksize = _NODE.unpack_from(buf, base + ptr)
@@ -123,6 +131,11 @@ def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
                 if node + 16 > base + psize:
                     return None
                 opg = int.from_bytes(buf[node + 8:node + 16], "little")
+                if not 2 <= opg < npages:
+                    return None
+                _opgno, _opad, oflags, olo, ohi = _PAGE.unpack_from(buf, opg * psize)
+                if not oflags & _P_OVERFLOW or (olo | (ohi << 16)) * psize < _PAGE_HDR + dsize:
+                    return None
                 start = opg * psize + _PAGE_HDR
             else:
                 start = node + 8

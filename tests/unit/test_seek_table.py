@@ -165,6 +165,30 @@ def test_lmdb_values_match_the_shard_scan(shards: list[Path]) -> None:
         assert got["size"].tolist() == ((rows["head_kind"] & 0xFFFFFF) + rows["size"]).tolist()
 
 
+def test_lmdb_values_of_a_file_with_free_pages(tmp_path: Path) -> None:
+    """A shard that is not a compacted copy (a tail sealed in place) holds free pages with
+    stale nodes: only the B-tree says which values are live."""
+    import lmdb
+
+    from kvdata.format import record as rec
+
+    path = tmp_path / "tail.mdb"
+    env = lmdb.open(str(path), subdir=False, map_size=64 << 20)
+    rng = np.random.default_rng(9)
+    for i in range(400):  # one transaction per record: every commit frees the pages it copied
+        with env.begin(write=True) as txn:
+            txn.put(rec.slot_key(i), rec.encode_record(f"k{i}", rng.bytes(30 + (i * 37) % 9000))[0], append=True)
+    env.sync(True)
+    env.close()
+    lock = path.with_name(path.name + "-lock")
+    lock.unlink()
+    rows = scan(path)
+    got = frames.lmdb_values(path.read_bytes())
+    assert got is not None
+    assert got["offset"].tolist() == rows["offset"].tolist()
+    assert got["size"].tolist() == ((rows["head_kind"] & 0xFFFFFF) + rows["size"]).tolist()
+
+
 def test_lmdb_values_of_garbage_is_none() -> None:
     import random
 
