@@ -158,6 +158,7 @@ def _daemon_missing() -> str | None:
 
 BENCHES: list[Bench] = [
     Bench("store_read", "store_read.py", ["--quick"], [], notes=store_read_notes, plot="store_read"),
+    Bench("write", "write.py", ["--quick"], []),
     Bench("loader", "loader.py", ["--quick"], [], requires=_torch, notes=loader_notes, plot="loader"),
     Bench("crash_kill", "crash_kill.py", ["--quick"], []),
     Bench("reader_opens", "reader_opens.py", ["--quick"], []),

@@ -8,6 +8,10 @@
 (c) cold cache, one image at a time: page cache dropped before each method's run (needs root).
                                                                      Ratio vs np.memmap.
 
+In (a) and (b), "kvdata as written" is a second copy of the kvdata dataset written the way
+training code writes one -- `kvdata.open(p, "w")`, put_many, close(), no seal() -- and read
+right away (issue 12: its last shard used to stay an LMDB tail read through transactions).
+
 All methods read the same seeded random indices; repeats alternate between methods and the
 table reports the median samples/s. Run:  python bench/store_read.py [--quick] [--json F]
 """
@@ -53,12 +57,13 @@ except ImportError:  # pip install mmap-ninja (the `bench` extra)
     ninja_np = RaggedMmap = None
 
 SMALL = 1024
+AS_WRITTEN = "kvdata as written (w, close, no seal): "
 
 
 def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Write the same n random samples to every format under root (reused if already built)."""
     params = {"n": n, "nbytes": nbytes, "seed": args.seed, "shard_size": args.shard_size,
-              "keep_tail": args.keep_tail, "ninja": RaggedMmap is not None}
+              "keep_tail": args.keep_tail, "ninja": RaggedMmap is not None, "as_written": True}
     done = root / "DONE.json"
     info = built(done, params)
     if info is not None:
@@ -69,8 +74,11 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
     shape = SHAPE if image else (SMALL,)
     chunk = max(1, (64 << 20) // nbytes)
     env = lmdb.open(str(root / "raw.lmdb"), subdir=False, map_size=int(n * (nbytes + 4096) * 1.25) + (64 << 20))
+    # --keep-tail: mode "a" on a new directory (a "w" writer seals its tail at close)
     with open(root / "flat.u8", "wb") as flat, \
-            kvdata.open(root / "kvdata", "w", shard_size=args.shard_size, compress=False) as st:
+            kvdata.open(root / "kvdata", "a" if args.keep_tail else "w", shard_size=args.shard_size,
+                        compress=False) as st, \
+            kvdata.open(root / "kvdata-as-written", "w", shard_size=args.shard_size, compress=False) as aw:
         for start, arr in image_chunks(rng, n, chunk, "noise", shape):
             keys = range(start, start + len(arr))
             flat.write(arr.tobytes())
@@ -78,6 +86,7 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
                 for i, a in zip(keys, arr):
                     txn.put(b"%08d" % i, a.tobytes(), append=True)
             st.put_many((f"{i:08d}", {"image": a} if image else a.tobytes()) for i, a in zip(keys, arr))
+            aw.put_many((f"{i:08d}", {"image": a} if image else a.tobytes()) for i, a in zip(keys, arr))
             if ninja_np is None:
                 pass
             elif image:  # fixed-shape samples: one (N, 227, 227, 3) memmap
@@ -95,7 +104,11 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
     with kvdata.open(root / "kvdata") as st:
         sealed = sum(int(e["records"]) for e in st.manifest["shards"])
         shards = len(st.manifest["shards"])
-    return mark_built(done, params, kvdata_shards=shards, kvdata_sealed_fraction=sealed / n)
+    with kvdata.open(root / "kvdata-as-written") as st:
+        aw_sealed = sum(int(e["records"]) for e in st.manifest["shards"])
+        aw_shards = len(st.manifest["shards"])
+    return mark_built(done, params, kvdata_shards=shards, kvdata_sealed_fraction=sealed / n,
+                      as_written_shards=aw_shards, as_written_sealed_fraction=aw_sealed / n)
 
 
 def copy_threads(st: Any) -> int | str:
@@ -113,6 +126,7 @@ def image_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
     env = lmdb.open(str(root / "raw.lmdb"), subdir=False, readonly=True, lock=False)
     keys = [b"%08d" % i for i in range(n)]
     st = kvdata.open(root / "kvdata")
+    aw = kvdata.open(root / "kvdata-as-written")
     out = np.empty((BATCH, *SHAPE), np.uint8)  # every "into out" method fills this one batch
 
     def memmap(idx):
@@ -138,13 +152,15 @@ def image_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
          # the API for stacked batches: one copy per sample into `out`, split across copy threads
          f"kvdata get_batch into out ({copy_threads(st)} copy threads)":
              (lambda idx: st.get_batch(idx, fields=["image"], alloc=lambda shape, dtype: out)["image"], "into out"),
-         "kvdata get_many + np.stack": (lambda idx: np.stack([r["image"] for r in st.get_many(idx)]), "new array")}
+         "kvdata get_many + np.stack": (lambda idx: np.stack([r["image"] for r in st.get_many(idx)]), "new array"),
+         AS_WRITTEN + f"get_batch into out ({copy_threads(aw)} copy threads)":
+             (lambda idx: aw.get_batch(idx, fields=["image"], alloc=lambda shape, dtype: out)["image"], "into out")}
     if ninja_np is not None:
         nin = ninja_np.open_existing(root / "ninja")
         m["mmap_ninja numpy: take(out=)"] = (
             lambda idx: np.take(nin, idx, axis=0, out=out[:len(idx)], mode="clip"), "into out")
         m["mmap_ninja numpy: mm[idx]"] = (lambda idx: nin[idx], "new array")
-    return m, lambda: (env.close(), st.close())
+    return m, lambda: (env.close(), st.close(), aw.close())
 
 
 def small_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], Callable]:
@@ -153,6 +169,7 @@ def small_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
     env = lmdb.open(str(root / "raw.lmdb"), subdir=False, readonly=True, lock=False)
     keys = [b"%08d" % i for i in range(n)]
     st = kvdata.open(root / "kvdata")
+    aw = kvdata.open(root / "kvdata-as-written")
 
     def lmdb_get(idx):
         with env.begin() as txn:
@@ -169,11 +186,12 @@ def small_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
          "lmdb buffers=True + bytes()": (lmdb_buf, "bytes"),
          "np.memmap + offsets .tobytes()": (memmap, "bytes"),
          "kvdata get_many(copy=True)": (lambda idx: st.get_many(idx, copy=True), "bytes"),
-         "kvdata get_many (views)": (lambda idx: st.get_many(idx), "memoryview")}
+         "kvdata get_many (views)": (lambda idx: st.get_many(idx), "memoryview"),
+         AS_WRITTEN + "get_many(copy=True)": (lambda idx: aw.get_many(idx, copy=True), "bytes")}
     if RaggedMmap is not None:
         rm = RaggedMmap(root / "ninja")
         m["mmap_ninja RaggedMmap .tobytes()"] = (lambda idx: [a.tobytes() for a in rm[idx]], "bytes")
-    return m, lambda: (env.close(), st.close())
+    return m, lambda: (env.close(), st.close(), aw.close())
 
 
 def cold_openers(root: Path) -> dict[str, Callable]:
@@ -311,6 +329,9 @@ def main() -> None:
             frac = info["kvdata_sealed_fraction"]
             md.append(f"- kvdata {name}: {info['kvdata_shards']} sealed shard(s) hold {100 * frac:.0f}% of the samples "
                       "(memmap path)" + ("; the rest is read from the open LMDB tail" if frac < 1 else ""))
+            aw_frac = info["as_written_sealed_fraction"]
+            md.append(f"- kvdata {name} as written (no seal): {info['as_written_shards']} sealed shard(s) hold "
+                      f"{100 * aw_frac:.0f}% of the samples" + ("; the rest is in the open LMDB tail" if aw_frac < 1 else ""))
         md.append("")
 
         for key, root, n, nbytes, count, base, title in (
@@ -339,7 +360,7 @@ def main() -> None:
             md.append(text)
     finally:
         if not a.keep:
-            shutil.rmtree(d / "img", ignore_errors=True)
+            shutil.rmtree(d / "img", ignore_errors=True)  # kvdata-as-written included
             shutil.rmtree(d / "small", ignore_errors=True)
             if made or not any(d.iterdir()):
                 shutil.rmtree(d, ignore_errors=True)

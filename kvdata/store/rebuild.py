@@ -25,7 +25,7 @@ from ..format.codec import file_sha256
 from . import index as ix
 from .generation import read_manifest
 from .lock import WriterLock
-from .shards import ENVS, open_sealed_lmdb, open_tail_for_write, scan, truncate_tail
+from .shards import ENVS, is_tail_link, open_sealed_lmdb, open_tail_for_write, scan, truncate_tail
 
 DEFAULT_SHARD_SIZE = 256_000_000
 
@@ -93,12 +93,16 @@ def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
         m = None
     shards_dir = root / "shards"
     if m is not None:
+        _drop_uncommitted_seal(shards_dir, m.tail.name)
         entries = list(m.shards)
         tail_id, tail_records = m.tail.id, m.tail.records
         shard_size, compress = m.shard_size, m.compress
         incarnation = m.incarnation
     else:
         ids, found_tail, incarnation = _discover(root)
+        if found_tail is not None and found_tail in ids and \
+                _drop_uncommitted_seal(shards_dir, names.tail_name(found_tail, incarnation)):
+            ids.remove(found_tail)  # the newest tail under its sealed name too: still the tail
         entries = [_entry_from_disk(shards_dir, i, incarnation) for i in ids]
         tail_id = len(ids)
         if found_tail is not None and found_tail != tail_id:
@@ -165,6 +169,19 @@ def _reindex_locked(root: Path, show: bool | None) -> dict[str, Any]:
             unlink_quiet(p)
     return {"dataset": str(root), "generation": gen, "samples": int(len(samples)), "shards": len(entries),
             "records": int(len(collect.hash)), "manifest_rebuilt": m is None}
+
+
+def _drop_uncommitted_seal(shards_dir: Path, tail_name: str) -> bool:
+    """Remove the sealed name a seal gave the tail `tail_name` before it was committed (the
+    tail's own file: no bytes go), so the tail can be cut back without touching a shard name."""
+    ids = names.parse_tail_name(tail_name)
+    if ids is None:
+        return False
+    name = names.shard_name(*ids)
+    if is_tail_link(shards_dir, name, tail_name):
+        unlink_quiet(shards_dir / name)
+        return True
+    return False
 
 
 def _entry_from_disk(shards_dir: Path, shard_id: int, incarnation: int) -> ShardEntry:

@@ -59,7 +59,7 @@ class EnvRegistry:
     """
 
     def __init__(self) -> None:
-        self._envs: dict[str, list[Any]] = {}
+        self._envs: dict[tuple[Any, ...], list[Any]] = {}
         self._busy: dict[int, int] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -78,22 +78,28 @@ class EnvRegistry:
         self._pid = os.getpid()
 
     def acquire(self, path: Path, *, sealed: bool, shard_size: int = 0, create: bool = False) -> lmdb.Environment:
-        key = os.path.realpath(path)
+        """The env of the file at `path`, keyed by the file (device, inode), not its name: a
+        sealed shard is its former tail's file under a second name (a hard link), and LMDB
+        (py-lmdb) refuses a second env on one file in a process. A file already open here under
+        either name is served by the env that has it (readers only read through it)."""
         with self._lock:
             if self._pid != os.getpid():
                 self._after_fork()
-            slot = self._envs.get(key)
+            key = _file_key(path)
+            slot = self._envs.get(key) if key is not None else None
             if slot is not None:
                 slot[1] += 1
                 return slot[0]
-            if not create and not os.path.exists(key):
+            if not create and key is None:
                 raise FileNotFoundError(errno.ENOENT, "no such shard file", str(path))
+            real = os.path.realpath(path)
             if sealed:
-                env = _open_sealed(key)
+                env = _open_sealed(real)
             elif create:
-                env = _open_tail(key, shard_size, create)
+                env = _open_tail(real, shard_size, create)
             else:
-                env = _open_existing_tail(key, shard_size)
+                env = _open_existing_tail(real, shard_size)
+            key = _file_key(path) or ("path", real)
             self._envs[key] = [env, 1]
             return env
 
@@ -127,6 +133,16 @@ class EnvRegistry:
 
 
 ENVS = EnvRegistry()
+
+
+def _file_key(path: str | os.PathLike[str]) -> tuple[Any, ...] | None:
+    """(device, inode) of the file at `path` (links followed), None if there is none. An open
+    env holds its file open, so its inode cannot be reused while it is in the registry."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return ("ino", st.st_dev, st.st_ino)
 
 
 def _open_tail(path: str, shard_size: int, create: bool) -> lmdb.Environment:
@@ -258,37 +274,56 @@ def truncate_tail(env: lmdb.Environment, committed: int) -> None:
                 cur.delete()
 
 
-def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool,
+def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool = False,
          incarnation: int = 0) -> tuple[ShardEntry, np.ndarray]:
-    """Copy the tail compacted into an immutable shard; return (manifest entry, record rows).
+    """Seal the tail in place: return (manifest entry, record rows) of shard `shard_id`.
 
-    The shard and its .zst appear under their real names only once complete and fsync'ed.
+    The tail is append-only and already a complete LMDB file, so it is not copied: once its
+    last transaction is synced, the file gets its sealed name as a second hard link (fsync'ed
+    with the directory), and its record offsets (from the tail env's own map) and sha256 are
+    read from it. The writer never writes to that file again; recovery removes the link
+    before it ever cuts a tail back (writer._tidy), and the commit removes the tail's name.
+    No zstd copy is made unless `compress` (cold copies are made when needed: `kvdata push`).
     """
     dest = shards_dir / names.shard_name(shard_id, incarnation)
-    tmp = dest.with_name(dest.name + ".tmp")
-    ztmp = dest.with_name(dest.name + ".zst.tmp")
-    unlink_quiet(tmp)
+    tail = shards_dir / names.tail_name(shard_id, incarnation)
+    ztmp = dest.with_name(names.zst_name(dest.name) + ".tmp")
+    tail_env.sync(True)
+    fsync_file(tail)
+    os.link(tail, dest, follow_symlinks=False)  # FileExistsError if anything has the name: never replaced
     try:
-        tail_env.copy(str(tmp), compact=True)
-        fsync_file(tmp)
-        records = scan(tmp)
-        size, sha = file_sha256(tmp)
+        fsync_dir(shards_dir)
+        records = _scan_env(tail_env, dest)
+        size, sha = file_sha256(dest)
         zst = None
         if compress:
             with open(ztmp, "wb") as f:
-                zsize, zsha = compress_file(tmp, f)
+                zsize, zsha = compress_file(dest, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(ztmp, dest.with_name(names.zst_name(dest.name)))
             zst = ZstCopy(names.zst_name(dest.name), zsize, zsha)
-        entry = ShardEntry(shard_id, dest.name, int(len(records)), size, sha, zst)
-        os.replace(tmp, dest)
-        fsync_dir(shards_dir)
+            fsync_dir(shards_dir)
     except BaseException:
-        unlink_quiet(tmp)
+        unlink_quiet(dest)
         unlink_quiet(ztmp)
         raise
-    return entry, records
+    return ShardEntry(shard_id, dest.name, int(len(records)), size, sha, zst), records
+
+
+def is_tail_link(shards_dir: Path, name: str, tail_name: str) -> bool:
+    """Whether `name` in shards_dir is a sealed shard's name given to the file of the tail
+    `tail_name` (same id and incarnation, same file): a seal that was not committed. Removing
+    that name removes no bytes (the tail keeps them)."""
+    shard, tail = names.parse_shard_name(name), names.parse_tail_name(tail_name)
+    if shard is None or shard != tail:
+        return False
+    try:
+        a = os.stat(shards_dir / name, follow_symlinks=False)
+        b = os.stat(shards_dir / tail_name, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(a.st_mode) and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _map_base(path: Path, addr: int) -> int | None:
@@ -317,25 +352,41 @@ def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], No
     """
     env = open_sealed_lmdb(path)
     try:
+        return _scan_env(env, path, on_record)
+    finally:
+        ENVS.release(env)
+
+
+def _scan_env(env: lmdb.Environment, path: Path,
+              on_record: Callable[[int, fmt.RecordHeader, memoryview], None] | None = None) -> np.ndarray:
+    """scan() through an open env of the file at `path` (a sealing tail's own env)."""
+    addrs: list[int] = []
+    sizes: list[int] = []
+    head_kind: list[int] = []
+    try:
         with ENVS.read(env, buffers=True) as txn:
             n = txn.stat()["entries"]
-            rows = np.zeros(n, dtype=fmt.RECORD_DTYPE)
-            base: int | None = None
             for i, (k, v) in enumerate(txn.cursor()):
                 if fmt.slot_of(bytes(k)) != i:
                     raise CorruptDatasetError(f"{path}: slot {i} is missing; the shard is damaged")
                 h = fmt.RecordHeader(v)
-                addr = np.frombuffer(v, np.uint8).ctypes.data
-                if i == 0:
-                    base = _map_base(path, addr)
-                rows[i] = (addr - base if base is not None else fmt.UNKNOWN_OFFSET,
-                           len(v) - h.head, h.head | (h.kind << fmt.KIND_SHIFT))
+                addrs.append(np.frombuffer(v, np.uint8).ctypes.data)
+                sizes.append(len(v) - h.head)
+                head_kind.append(h.head | (h.kind << fmt.KIND_SHIFT))
                 if on_record is not None:
                     on_record(i, h, v)
+            base = _map_base(path, addrs[0]) if addrs else None
     except lmdb.Error as e:
         raise CorruptDatasetError(f"{path}: LMDB cannot read this shard ({e}); restore it from a copy") from None
-    finally:
-        ENVS.release(env)
+    if len(addrs) != n:
+        raise CorruptDatasetError(f"{path}: holds {len(addrs)} of its {n} records; the shard is damaged")
+    rows = np.zeros(n, dtype=fmt.RECORD_DTYPE)
+    if base is not None:
+        rows["offset"] = np.array(addrs, dtype=np.uint64) - np.uint64(base)
+    else:
+        rows["offset"] = fmt.UNKNOWN_OFFSET
+    rows["size"] = np.array(sizes, dtype=np.uint32)
+    rows["head_kind"] = np.array(head_kind, dtype=np.uint32)
     if base is not None and n:
         _check_offsets(path, rows)
     return rows

@@ -47,7 +47,7 @@ from . import index as ix
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .reader import Reader
-from .shards import ENVS, open_tail_for_write, seal, truncate_tail
+from .shards import ENVS, is_tail_link, open_tail_for_write, seal, truncate_tail
 
 log = logging.getLogger("kvdata")
 
@@ -56,6 +56,7 @@ RECORD_OVERHEAD = 64       # LMDB's per-record bytes beyond the value, for seali
 DEFAULT_SHARD_SIZE = 256_000_000
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
 LOST_FOUND = "lost+found"  # where recovery moves files it cannot account for
+SEAL_ON_CLOSE_MIN = 64 << 10  # a "w" writer's close seals the tail unless the whole dataset is smaller
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 Row = tuple[int, int, int]  # (shard id, slot, label) of one sample
@@ -107,6 +108,10 @@ class Writer:
         self._retired: Manifest | None = None  # the generation a "w" rewrite replaced: its files may go
         self._written: set[str] = set()  # shard-dir files this writer created: recovery may remove them
         self._created = False  # True: this writer made the dataset, so a failed first write removes it
+        # "w": the dataset is written whole, so close() seals its tail (sealing is a hard link, not
+        # a copy) and it is read right away by memory map, not LMDB -- unless the whole dataset
+        # is a tail of a few records (< SEAL_ON_CLOSE_MIN bytes): its LMDB reads cost microseconds
+        self._seal_on_close = reset
         self._make_reader = make_reader
         self.reader: Reader | None = None
         self.txn: Any = None
@@ -210,6 +215,8 @@ class Writer:
                 unlink_quiet(p)  # a seal's temp file; a file of the generation "w" replaced; our own
             elif tail is not None and tail[1] == m.incarnation and tail[0] < m.tail.id:
                 unlink_quiet(p)  # a tail already sealed into a committed shard
+            elif is_tail_link(self.shards_dir, p.name, m.tail.name):
+                unlink_quiet(p)  # the committed tail's own file under its sealed name: a seal never committed
             else:
                 aside.append(p)
         keep_index = {n for n in (m.index.samples, m.index.records) if n} | {r.name for r in m.index.keys}
@@ -549,6 +556,8 @@ class Writer:
         committed = False
         try:
             if commit and not self.failed:
+                if self._seal_on_close and (self.tail_bytes >= SEAL_ON_CLOSE_MIN or self.m.shards or self.pending.sealed):
+                    self.request_seal()  # read right away through the sealed (memory-map) path
                 self.commit()
                 committed = True
         finally:

@@ -1,4 +1,11 @@
-"""`kvdata push`: upload a local, sealed dataset to a home, manifest last.
+"""`kvdata push`: upload a local dataset to a home, manifest last.
+
+A dataset with committed records in its open tail is sealed first (a local commit: sealing
+is a hard link of the tail, no copy), so what is pushed is always a sealed generation; if
+another writer holds the dataset, push refuses rather than publish records that writer may
+still cut back or seal itself. The zstd cold copy of a shard that has none (seals do not
+make one unless asked) is made at push, into a temp directory, and listed in the pushed
+manifest's `zst` entry.
 
 A half-pushed dataset is never visible: shards (.zst) and the trimmed index files
 go first, the manifest (with the index checksums) last.
@@ -19,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .._util.progress import progress as make_progress
-from ..errors import KVDataError, ReadOnlyError, RemoteError
+from ..errors import KVDataError, ReadOnlyError, RemoteError, WriterLockedError
 from ..format import ZstCopy, dump_manifest, names
 from ..format.codec import compress_file
 from ..store import Store
@@ -27,18 +34,17 @@ from .homes import Home, open_home
 
 
 def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None) -> dict[str, Any]:
-    """Upload a local, fully sealed dataset: shards (.zst), index, then the manifest last,
-    so a half-pushed dataset is never visible. Shards and index files the home already
-    holds with the right sha256 are skipped, so an interrupted push resumes; the manifest
-    is always uploaded."""
+    """Upload a local dataset: shards (.zst), index, then the manifest last, so a half-pushed
+    dataset is never visible. A committed tail is sealed first (see the module doc). Shards
+    and index files the home already holds with the right sha256 are skipped, so an
+    interrupted push resumes; the manifest is always uploaded."""
     src = Path(dataset)
-    store = Store(src, "r")
-    try:
-        m = store.manifest
-    finally:
-        store.close()
+    m = _manifest(src)
     if m.tail.records:
-        raise KVDataError(f"{src} has {m.tail.records} unsealed records; run `kvdata seal {src}` before pushing")
+        _seal_tail(src, m.tail.records)
+        m = _manifest(src)
+        if m.tail.records:  # another writer committed into a new tail between the two
+            raise KVDataError(f"{src}: a writer keeps adding records; push once it has closed the dataset")
     home = open_home(url)
     if not home.writable:
         raise ReadOnlyError(f"{url} is read-only; push to a local path or s3://")
@@ -87,6 +93,28 @@ def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None)
         home.close()
     return {"dataset": str(src), "url": url, "generation": m.generation, "shards_uploaded": uploaded,
             "shards_skipped": skipped, "index_uploaded": index_uploaded, "index_skipped": index_skipped}
+
+
+def _manifest(src: Path) -> Any:
+    store = Store(src, "r")
+    try:
+        return store.manifest
+    finally:
+        store.close()
+
+
+def _seal_tail(src: Path, records: int) -> None:
+    """Seal the committed tail as a local commit (the writer lock taken like any writer's)."""
+    try:
+        store = Store(src, "a")
+    except WriterLockedError as e:
+        raise KVDataError(f"{src} has {records} records in its open tail and {e}; push after that writer "
+                          "closes the dataset (or run `kvdata seal` then)") from None
+    try:
+        store.seal()
+        store.commit()
+    finally:
+        store.close()
 
 
 def _compress(path: Path, dest: Path) -> ZstCopy:
