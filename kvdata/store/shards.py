@@ -28,8 +28,8 @@ import numpy as np
 from .. import format as fmt
 from .._util.fsutil import fsync_dir, fsync_file, unlink_quiet
 from ..errors import CorruptDatasetError, MissingShardError
-from ..format import ShardEntry, ZstCopy, names
-from ..format.codec import compress_file, file_sha256
+from ..format import ShardEntry, names
+from ..format.codec import compress_file, file_sha256, zst_copy
 
 MAX_READERS = 1024
 _PAGE = 4096
@@ -298,11 +298,11 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
         zst = None
         if compress:
             with open(ztmp, "wb") as f:
-                zsize, zsha = compress_file(dest, f)
+                framed = compress_file(dest, f, records=records)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(ztmp, dest.with_name(names.zst_name(dest.name)))
-            zst = ZstCopy(names.zst_name(dest.name), zsize, zsha)
+            zst = zst_copy(names.zst_name(dest.name), framed)
             fsync_dir(shards_dir)
     except BaseException:
         unlink_quiet(dest)

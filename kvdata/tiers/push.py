@@ -28,7 +28,7 @@ from typing import Any
 from .._util.progress import progress as make_progress
 from ..errors import KVDataError, ReadOnlyError, RemoteError, WriterLockedError
 from ..format import ZstCopy, dump_manifest, names
-from ..format.codec import compress_file
+from ..format.codec import compress_file, zst_copy
 from ..store import Store
 from .homes import Home, open_home
 
@@ -118,9 +118,8 @@ def _seal_tail(src: Path, records: int) -> None:
 
 
 def _compress(path: Path, dest: Path) -> ZstCopy:
-    with open(dest, "wb") as f:
-        size, sha = compress_file(path, f)
-    return ZstCopy(dest.name, size, sha)
+    with open(dest, "wb") as f:  # framed at record boundaries, with its seek table (record reads)
+        return zst_copy(dest.name, compress_file(path, f))
 
 
 def _holds(home: Home, name: str, sha256: str) -> bool:

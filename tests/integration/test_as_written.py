@@ -287,6 +287,7 @@ def test_push_seals_a_committed_tail_and_makes_the_missing_zst(tmp_path: Path) -
     for e in pushed["shards"]:
         z = e["zst"]
         assert z is not None and z["name"] == e["name"] + ".zst"
+        assert z.get("seek") and z["seek"]["bytes"] > 0  # framed with a seek table: readable record by record
         blob = (home / "shards" / z["name"]).read_bytes()
         assert len(blob) == z["bytes"] and hashlib.sha256(blob).hexdigest() == z["sha256"]
         assert not (home / "shards" / e["name"]).exists()  # a home holds cold copies only
@@ -299,6 +300,19 @@ def test_push_seals_a_committed_tail_and_makes_the_missing_zst(tmp_path: Path) -
     assert summary["shards_uploaded"] == len(pushed["shards"])
     again = push(src, str(home), show=False)  # nothing new: every cold copy is already there
     assert again["shards_uploaded"] == 0 and again["shards_skipped"] == len(pushed["shards"])
+
+
+def test_compress_true_writes_a_framed_zst_at_seal(tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    with kvdata.open(ds, "w", shard_size="64KB", compress=True) as st:
+        st.put_many((f"k{i:04d}", _small(i)) for i in range(200))
+    m = _manifest(ds)
+    assert m["tail"]["records"] == 0 and m["shards"]
+    for e in m["shards"]:
+        z = e["zst"]
+        blob = (ds / "shards" / z["name"]).read_bytes()
+        assert hashlib.sha256(blob).hexdigest() == z["sha256"] and z.get("seek")
+    assert verify(ds, progress=False)["ok"]
 
 
 def test_push_of_a_shard_without_zst_entry_from_a_local_dataset_read_in_place(tmp_path: Path) -> None:
