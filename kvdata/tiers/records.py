@@ -45,6 +45,7 @@ class RecordReader:
         self._lock = threading.Lock()
         self._tables: OrderedDict[tuple[str, str], frames.SeekTable] = OrderedDict()
         self._loading: dict[tuple[str, str], Future[frames.SeekTable]] = {}
+        self._pid = os.getpid()
         self.bytes_fetched = 0   # from the home: tables and frames
         self.requests = 0
 
@@ -73,6 +74,8 @@ class RecordReader:
         z = entry.zst
         assert z is not None and z.seek_sha256 is not None
         key = (z.sha256, z.seek_sha256)
+        if self._pid != os.getpid():  # a forked child (a DataLoader worker): the parent's loads never finish here
+            self._lock, self._loading, self._pid = threading.Lock(), {}, os.getpid()
         with self._lock:
             got = self._tables.get(key)
             if got is not None:
@@ -202,11 +205,16 @@ class _Pool:
         self._idle = 0
         self._pid = os.getpid()
 
+    def after_fork(self) -> None:
+        """In a forked child: the parent's threads (and maybe a held lock) are not here."""
+        self._lock = threading.Lock()
+        self._q, self._threads, self._idle, self._pid = queue.SimpleQueue(), 0, 0, os.getpid()
+
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         fut: Future[T] = Future()
+        if self._pid != os.getpid():
+            self.after_fork()
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's threads are not here
-                self._q, self._threads, self._idle, self._pid = queue.SimpleQueue(), 0, 0, os.getpid()
             self._q.put((fut, fn, args))
             if self._q.qsize() > self._idle and self._threads < self._n:
                 self._threads += 1
@@ -230,6 +238,7 @@ class _Pool:
 
 
 _POOL = _Pool(IN_FLIGHT)
+os.register_at_fork(after_in_child=_POOL.after_fork)
 
 
 def _runs(frame_ids: list[int], t: frames.SeekTable) -> list[tuple[int, int]]:
@@ -244,6 +253,14 @@ def _runs(frame_ids: list[int], t: frames.SeekTable) -> list[tuple[int, int]]:
 
 
 _READERS_LOCK = threading.Lock()
+
+
+def _new_readers_lock() -> None:
+    global _READERS_LOCK
+    _READERS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_readers_lock)
 
 
 def reader_for(home: Home, on_home_bytes: Callable[[int], None] | None = None) -> RecordReader:

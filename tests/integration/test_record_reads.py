@@ -278,3 +278,91 @@ def test_the_manifest_records_the_seek_table(env: Env) -> None:
     out = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True).read()
     assert out == (env.src / names.SHARDS_DIR / doc["shards"][0]["name"]).read_bytes()
 
+
+
+class SlowHome:
+    """A remote-looking home serving the local dataset's .zst files after `delay` seconds per
+    request, recording how many requests were in flight at once."""
+
+    def __new__(cls, root: Path, delay: float) -> Any:
+        import threading
+        import time
+
+        from kvdata.tiers.homes import Home
+
+        class _Slow(Home):
+            url = "s3://slow/ds"
+
+            def __init__(self) -> None:
+                self.lock = threading.Lock()
+                self.now = self.peak = self.requests = 0
+
+            def read_range(self, name: str, start: int, length: int) -> bytes:
+                with self.lock:
+                    self.now += 1
+                    self.requests += 1
+                    self.peak = max(self.peak, self.now)
+                try:
+                    time.sleep(delay)
+                    with open(root / name, "rb") as f:
+                        f.seek(start)
+                        return f.read(length)
+                finally:
+                    with self.lock:
+                        self.now -= 1
+
+        return _Slow()
+
+
+def test_a_batch_fetches_every_shard_at_once(env: Env, tmp_path: Path, record_mode: None) -> None:
+    """A batch over every shard costs about two round trips (seek tables, then frames), not two
+    per shard: the GETs of the whole batch are in flight together."""
+    import time
+
+    from kvdata.store import Store
+    from kvdata.tiers.engine import Engine
+    from kvdata.tiers.source import EngineSource
+
+    delay = 0.3
+    home = SlowHome(env.src, delay)
+    cfg = tiers_config(tmp_path / "tiers", ("ssd", "64MB"))
+    engine = Engine(cfg)
+    shards = tuple(parse_manifest((env.src / names.MANIFEST).read_bytes(), "x").shards)
+    source = EngineSource(engine, home, shards, own_engine=True)
+    batch = [env.shard_samples(s)[k] for s in range(len(shards)) for k in (0, 5)]
+    with Store(env.src, "r", source=source) as st:
+        t0 = time.monotonic()
+        got = st.get_many(batch)
+        cold = time.monotonic() - t0
+        t0 = time.monotonic()
+        st.get_many([i + 1 for i in batch])
+        warm = time.monotonic() - t0
+    assert [as_tuple(v) for v in got] == [env.ref[i] for i in batch]
+    serial = len(shards) * 2 * delay
+    print(f"{len(batch)} samples over {len(shards)} shards: {cold:.2f}s with cold seek tables, {warm:.2f}s warm "
+          f"(one request at a time would take >= {serial:.1f}s); {home.requests} requests, {home.peak} at once")
+    assert home.peak >= len(shards)
+    assert cold < serial / 2 and warm < 3 * delay
+    assert staged_copies(cfg) == []
+
+
+def test_dataloader_workers_read_record_by_record(env: Env, tmp_path: Path, record_mode: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from helpers.servers import write_toml
+
+    url = env.publish("s3")
+    monkeypatch.setenv("KVDATA_CONFIG", str(write_toml(tmp_path / "kvdata.toml", tmp_path / "tiers", ("ssd", "64MB"))))
+    ds = kvdata.Dataset(url)
+    try:
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, shuffle=True,
+                                             generator=torch.Generator().manual_seed(0), collate_fn=kvdata.collate)
+        seen = {}
+        for batch in loader:
+            for img, name in zip(batch["image"].numpy(), batch["name"]):
+                seen[int(str(name)[1:])] = img.tobytes()
+        assert sorted(seen) == list(range(N))
+        assert all(seen[i] == env.ref[i][0] for i in range(N))
+    finally:
+        ds.store.close()
+    assert not list((tmp_path / "tiers").rglob("*.mdb"))
