@@ -274,6 +274,9 @@ def truncate_tail(env: lmdb.Environment, committed: int) -> None:
                 cur.delete()
 
 
+NO_LINK_ERRNOS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS)
+
+
 def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool = False,
          incarnation: int = 0) -> tuple[ShardEntry, np.ndarray]:
     """Seal the tail in place: return (manifest entry, record rows) of shard `shard_id`.
@@ -283,29 +286,51 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
     with the directory), and its record offsets (from the tail env's own map) and sha256 are
     read from it. The writer never writes to that file again; recovery removes the link
     before it ever cuts a tail back (writer._tidy), and the commit removes the tail's name.
+    Where the filesystem refuses hard links (NO_LINK_ERRNOS) the tail is copied compacted to
+    `NNNNNN.mdb.tmp` instead and renamed once complete, as before issue 12.
     No zstd copy is made unless `compress` (cold copies are made when needed: `kvdata push`).
     """
     dest = shards_dir / names.shard_name(shard_id, incarnation)
     tail = shards_dir / names.tail_name(shard_id, incarnation)
+    tmp = dest.with_name(dest.name + ".tmp")
     ztmp = dest.with_name(names.zst_name(dest.name) + ".tmp")
     tail_env.sync(True)
     fsync_file(tail)
-    os.link(tail, dest, follow_symlinks=False)  # FileExistsError if anything has the name: never replaced
     try:
-        fsync_dir(shards_dir)
-        records = _scan_env(tail_env, dest)
-        size, sha = file_sha256(dest)
+        os.link(tail, dest, follow_symlinks=False)  # FileExistsError if anything has the name: never replaced
+        src = dest
+    except OSError as e:
+        if e.errno not in NO_LINK_ERRNOS:
+            raise
+        src = tmp
+    try:
+        if src == dest:
+            fsync_dir(shards_dir)
+            records = _scan_env(tail_env, dest)
+        else:
+            unlink_quiet(tmp)
+            tail_env.copy(str(tmp), compact=True)
+            fsync_file(tmp)
+            records = scan(tmp)
+        size, sha = file_sha256(src)
         zst = None
         if compress:
             with open(ztmp, "wb") as f:
-                framed = compress_file(dest, f, records=records)
+                framed = compress_file(src, f, records=records)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(ztmp, dest.with_name(names.zst_name(dest.name)))
             zst = zst_copy(names.zst_name(dest.name), framed)
+        if src == tmp:
+            os.replace(tmp, dest)
+            src = dest
+            fsync_dir(shards_dir)
+        elif compress:
             fsync_dir(shards_dir)
     except BaseException:
-        unlink_quiet(dest)
+        if src == dest:  # our link (or our copy, renamed): nothing else ever had the name
+            unlink_quiet(dest)
+        unlink_quiet(tmp)
         unlink_quiet(ztmp)
         raise
     return ShardEntry(shard_id, dest.name, int(len(records)), size, sha, zst), records

@@ -9,6 +9,7 @@ itself). A writer SIGKILLed while it seals leaves the old or the new generation.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -137,6 +138,45 @@ def test_error_in_the_with_block_seals_nothing(tmp_path: Path) -> None:
     m = _manifest(ds)  # "w" committed its empty start at open; the puts were discarded
     assert m["count"] == 0 and not m["shards"] and m["tail"]["records"] == 0
     assert not [p.name for p in (ds / "shards").iterdir() if names.parse_shard_name(p.name)]
+
+
+@pytest.mark.parametrize("err", [errno.EPERM, errno.EXDEV])
+def test_without_hard_links_sealing_copies(tmp_path: Path, err: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem that refuses hard links (or protected_hardlinks on another user's tail):
+    the tail is copied compacted and renamed, as before; the dataset reads the same."""
+    def no_link(*_a: Any, **_k: Any) -> None:
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(shards_mod.os, "link", no_link)
+    ds = tmp_path / "ds"
+    with kvdata.open(ds, "w", shard_size="96KB", compress=True) as st:
+        st.put_many((f"k{i:04d}", _small(i)) for i in range(300))
+        tail = ds / "shards" / st.manifest.tail.name
+    monkeypatch.undo()
+    m = _manifest(ds)
+    assert m["tail"]["records"] == 0 and len(m["shards"]) > 1 and all(e["zst"] for e in m["shards"])
+    assert not tail.exists() and not list((ds / "shards").glob("*.tmp"))
+    with kvdata.open(ds) as st:
+        _assert_sealed_path(st)
+        assert [bytes(v) for v in st.get_many(range(300))] == [_small(i) for i in range(300)]
+    assert verify(ds, progress=False)["ok"]
+
+
+def test_a_link_error_that_is_not_about_links_fails_the_commit(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = tmp_path / "ds"
+    _tail_with_records(ds)
+    def full(*_a: Any, **_k: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(shards_mod.os, "link", full)
+    st = kvdata.open(ds, "a")
+    st.seal()
+    with pytest.raises(KVDataError, match="unchanged at generation"):
+        st.commit()
+    st.close()
+    monkeypatch.undo()
+    with kvdata.open(ds) as r:
+        assert r.manifest.tail.records == 200 and bytes(r["k1"]) == _small(1)
+    assert verify(ds, progress=False)["ok"]
 
 
 # ---------------------------------------------------------------- recovery of an interrupted seal
