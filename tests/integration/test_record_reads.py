@@ -366,3 +366,23 @@ def test_dataloader_workers_read_record_by_record(env: Env, tmp_path: Path, reco
     finally:
         ds.store.close()
     assert not list((tmp_path / "tiers").rglob("*.mdb"))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_dataset_as_written_and_pushed_is_read_record_by_record(compress: bool, env: Env, tmp_path: Path,
+                                                                  record_mode: None) -> None:
+    """The ordinary path, no reframing by hand: the cold copy made at seal (compress=True)
+    or by `kvdata push` carries its seek table."""
+    p = tmp_path / "plain.kv"
+    with kvdata.open(p, "w", shard_size=SHARD, compress=compress) as s:
+        for i in range(N):
+            s.put(f"k{i:04d}", sample(i))
+    url = push_s3(p, env.s3, f"plain-{compress}")
+    st, cfg = open_remote(url, tmp_path)
+    with st:
+        assert all(e.zst is not None and e.zst.seek_sha256 for e in st.manifest.shards)
+        counted = Counted(st.home)
+        batch = [1, 17, 33, 49, N - 1]
+        assert [as_tuple(v) for v in st.get_many(batch)] == [env.ref[i] for i in batch]
+        assert counted.bytes < sum(e.bytes for e in st.manifest.shards) / 4
+    assert staged_copies(cfg) == []
