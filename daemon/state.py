@@ -69,6 +69,7 @@ class OpenDataset:
     owner: int | None = None          # uid whose passed manifest this is; None: read by the daemon itself
     users: set[int] = field(default_factory=set)  # uids that opened it (status shows it to these)
     staged_all: bool = False  # `kvdata stage` asked for it: keep new generations staged too
+    key: str = ""             # the engine's key for its shard list (policy.dataset_key): mode, resident set
 
 
 @dataclass
@@ -79,6 +80,7 @@ class ClientState:
     readers: set[str] = field(default_factory=set)
     stall_seconds: float = 0.0
     passed: OrderedDict[str, PassedFiles] = field(default_factory=OrderedDict)  # dataset key -> descriptors
+    using: set[str] = field(default_factory=set)  # engine keys of the datasets this client read
 
 
 class Passed:
@@ -130,7 +132,7 @@ class Service:
     def __init__(self, config: Config) -> None:
         secure_tiers(config)
         self.config = config
-        self.engine = Engine(config, verify_content=True)
+        self.engine = Engine(config, verify_content=True, probe_open=True)  # (it never forks)
         self._lock = threading.RLock()
         self.datasets: dict[str, OpenDataset] = {}
         self.clients: dict[int, ClientState] = {}
@@ -155,6 +157,10 @@ class Service:
                 self.engine.release(r)
             for home in st.passed.values():
                 home.close()
+            with self._lock:
+                still = {k for c in self.clients.values() for k in c.using}
+            for key in st.using - still:  # nobody reads it now: its resident set is not kept any more
+                self.engine.deactivate(key)
 
     def _client(self, cid: int | None) -> ClientState:
         with self._lock:
@@ -189,6 +195,7 @@ class Service:
         st = self._client(cid)
         if is_url(loc) or st.peer.privileged:
             shared = self._shared(loc, st.peer.uid)
+            self._use(st, shared)
             return shared, shared.home
         key = _passed_key(st.peer.uid, loc)
         with self._lock:
@@ -196,7 +203,19 @@ class Service:
         if ds is None:
             raise NotAllowed(f"{loc} is not open for uid {st.peer.uid}: open it first, passing its manifest "
                              "(kvdatad reads local datasets only from descriptors their reader passes)")
+        self._use(st, ds)
         return ds, self._passed_home(st, key, loc)
+
+    def _use(self, st: ClientState, ds: OpenDataset) -> None:
+        with self._lock:
+            st.using.add(ds.key)
+
+    def _mode(self, ds: OpenDataset) -> dict[str, Any]:
+        """How the dataset is read (reply fields of an empty `want`): "shard-aware", or
+        "random" with the largest sha256 of its resident set (a shard with a sha256 <= it is
+        kept whole; every other one is read record by record)."""
+        self.engine.activate([ds.key])
+        return {"mode": self.engine.mode(ds.key), "resident_below": self.engine.resident_threshold(ds.key)}
 
     def _shared(self, loc: str, uid: int) -> OpenDataset:
         with self._lock:
@@ -233,7 +252,8 @@ class Service:
             m = read_manifest(root)
         self.engine.check_budgets(list(m.shards))
         ds = OpenDataset(loc, home, root, m, staged_all=bool(old and old.staged_all),
-                         users=set(old.users) if old is not None else set())
+                         users=set(old.users) if old is not None else set(),
+                         key=self.engine.open_dataset(m.shards, label=loc))
         with self._lock:
             self.datasets[loc] = ds
         if ds.staged_all:
@@ -353,7 +373,8 @@ class Service:
                 os.close(fd)
             self.engine.check_budgets(list(m.shards))
             key = _passed_key(st.peer.uid, loc)
-            ds = OpenDataset(loc, PassedFiles(loc), Path(loc), m, owner=st.peer.uid, users={st.peer.uid})
+            ds = OpenDataset(loc, PassedFiles(loc), Path(loc), m, owner=st.peer.uid, users={st.peer.uid},
+                             key=self.engine.open_dataset(m.shards, label=loc))
             with self._lock:
                 self.datasets.pop(key, None)
                 self.datasets[key] = ds  # most recent last
@@ -472,6 +493,8 @@ class Service:
         if isinstance(home, PassedFiles):
             entries = [e for e in entries if home.has(e.sha256)]
         self.engine.start_many(home, entries)
+        if not shards:  # an empty `want` asks how the dataset is read (DaemonStager.wants_whole)
+            return {"started": 0, **self._mode(ds)}
         return {"started": len(entries)}
 
     def stage(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any], list[Future[Path]]]:
@@ -532,8 +555,16 @@ class Service:
             clients: list[dict[str, Any]] = [
                 {"id": c.id, "pid": c.pid, "uid": c.peer.uid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
                 for c in self.clients.values() if peer.privileged or c.peer.uid == peer.uid]
-            datasets = [{"dataset": d.location, "generation": d.manifest.generation, "shards": len(d.manifest.shards)}
-                        for d in self.datasets.values() if peer.privileged or peer.uid in d.users]
+            shown = [d for d in self.datasets.values() if peer.privileged or peer.uid in d.users]
+        modes = {m["key"]: m for m in st.pop("datasets", [])}
+        datasets = []
+        for d in shown:
+            row: dict[str, Any] = {"dataset": d.location, "generation": d.manifest.generation,
+                                   "shards": len(d.manifest.shards)}
+            m = modes.get(d.key)  # read by a client now: how (policy for unannounced orders)
+            row.update({k: v for k, v in m.items() if k not in ("dataset", "key", "shards")} if m is not None
+                       else {"mode": None})
+            datasets.append(row)
         if not peer.privileged:
             st["errors"] = []
         st.update({"pid": os.getpid(), "uptime_seconds": round(time.time() - self.started, 1),

@@ -161,6 +161,22 @@ def status(as_json: bool) -> None:
                f"{format_size(st['bytes_staged'])}, from home {format_size(st['bytes_from_home'])}")
     click.echo(f"queue {st['in_flight']}, stall {st['stall_seconds']:.1f} s"
                + (f", reader stall {st['reader_stall_seconds']:.1f} s" if st["daemon"] else ""))
+    for d in st.get("datasets", []):
+        click.echo(f"dataset {d['dataset']}: {_mode_line(d)}")
+
+
+def _mode_line(d: dict[str, Any]) -> str:
+    """How a dataset is read (the engine's policy for unannounced orders)."""
+    mode = d.get("mode")
+    if mode is None:
+        return "open, not being read"
+    if mode == "shard-aware":
+        return "shard-aware (an announced order: prefetch ahead, keep what is needed next)"
+    held = d.get("resident_shards")
+    if held is None:  # claimed by another process: only its budget is known here
+        return f"random order: resident set of {format_size(d.get('resident_budget') or 0)} kept whole"
+    return (f"random order: resident set of {held} shards / {format_size(d.get('resident_bytes') or 0)} kept whole "
+            f"({d.get('resident_staged', 0)} staged), the rest read without keeping it")
 
 
 def cache_report(eng: Engine) -> dict[str, Any]:

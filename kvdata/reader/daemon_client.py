@@ -28,8 +28,13 @@ from ..tiers.mirror import mirror_from_fds
 
 PROGRESS_INTERVAL = 0.05  # seconds between progress reports of one reader to kvdatad
 MAX_OPEN = 8              # staged shards a reader keeps mapped through the daemon
-KEEP_COPIES = 2 * MAX_OPEN  # descriptors of staged copies kept to map again without a round trip
+# descriptors of staged copies kept (unmapped) to map again without a round trip: none. kvdatad
+# never evicts a copy that any process has open (a tier never holds more than its budget, and an
+# unlinked copy someone still holds would: Tier.probe_open), so kept descriptors would pin copies
+# the reader no longer maps; giving them back costs one `need` round trip when it maps one again.
+KEEP_COPIES = 0
 AHEAD = 16                # shard files passed ahead of a reader (the daemon's prefetch lookahead)
+MODE_INTERVAL = 1.0       # seconds a dataset's read mode (shard-aware / random + resident set) is trusted
 RETRY_CODES = ("StaleManifest", "NotAllowed")  # answered by opening the dataset again, once
 
 
@@ -162,6 +167,7 @@ class DaemonStager:
         self._orders: dict[str, list[ShardEntry]] = {}  # reader -> announced order (files passed ahead)
         self._ahead: dict[str, set[int]] = {}           # reader -> shard ids whose files went ahead
         self.stall_seconds = 0.0  # time this process waited for shards: reported with progress
+        self._mode: tuple[float, str, str] | None = None  # (when, mode, resident_below) the daemon said
 
     @property
     def home(self) -> Home:
@@ -230,14 +236,7 @@ class DaemonStager:
 
     def _cached(self, sha: str) -> OpenedCopy | None:
         """A copy the daemon passed before and has not evicted since (still linked)."""
-        for other, (fd, _where) in list(self._copies.items()):  # drop evicted ones: they hold tier space
-            try:
-                gone = os.fstat(fd).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:
-                del self._copies[other]
-                os.close(fd)
+        self._drop_evicted()  # they hold tier space
         got = self._copies.get(sha)
         if got is None:
             return None
@@ -265,7 +264,9 @@ class DaemonStager:
         return fds, items
 
     def locate(self, entry: ShardEntry) -> tuple[Path | OpenedCopy, bool]:
-        if os.getpid() == self._pid:
+        if os.getpid() == self._pid and self._copies:
+            self._drop_evicted()
+        if os.getpid() == self._pid and (self._mode is None or self.wants_whole(entry)):
             known = self._cached(entry.sha256)
             if known is not None:  # still staged: map it again without a round trip
                 return known, True
@@ -283,6 +284,7 @@ class DaemonStager:
         self.stall_seconds += time.monotonic() - t0
         if got is not None:
             reply, passed = got
+            self._note_mode(reply)
             staged = bool(reply.get("staged"))
             path = Path(str(reply.get("path", "")))
             if staged and path.name != names.staged_name(entry.sha256):  # not the copy this manifest names
@@ -297,7 +299,44 @@ class DaemonStager:
         return self._engine().locate(self._home, entry)
 
     def wants_whole(self, entry: ShardEntry) -> bool:
-        return True  # (issue 12: the daemon's policy for unannounced orders decides)
+        """The daemon's policy for unannounced orders (kvdata.tiers.engine): a shard-aware
+        dataset's shards, and a random-order one's resident set (sha256 <= the threshold the
+        daemon reports), are read whole; the rest record by record. Asked at most every
+        MODE_INTERVAL seconds (an empty `want`); without the daemon, the fallback engine decides."""
+        if self._orders:  # this process announced an order: shard-aware
+            return True
+        now = time.monotonic()
+        if self._mode is None or now - self._mode[0] >= MODE_INTERVAL:
+            reply = self._call("want", shards=[]) if self.client is not None else None
+            if reply is None or not isinstance(reply.get("mode"), str):
+                if self.client is None and self._fallback is not None:
+                    return self._fallback.wants_whole(self._home, entry)
+                return True
+            self._note_mode(reply)
+            self._drop_evicted()
+        assert self._mode is not None
+        _when, mode, below = self._mode
+        return mode != "random" or entry.sha256 <= below
+
+    def _note_mode(self, reply: dict[str, Any]) -> None:
+        mode, below = reply.get("mode"), reply.get("resident_below", "")
+        if isinstance(mode, str) and isinstance(below, str):
+            self._mode = (time.monotonic(), mode, below)
+            if mode == "random" and not self._orders:  # copies left out of the resident set: give them back
+                for sha in [s for s in self._copies if s > below]:
+                    os.close(self._copies.pop(sha)[0])
+
+    def _drop_evicted(self) -> None:
+        """Close kept descriptors of copies the daemon evicted: they would keep the bytes alive
+        in its tier, uncounted, until closed."""
+        for sha, (fd, _where) in list(self._copies.items()):
+            try:
+                gone = os.fstat(fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                del self._copies[sha]
+                os.close(fd)
 
     def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
         """In-process, from the home's framed cold copy (kvdata.tiers.records), as EngineSource

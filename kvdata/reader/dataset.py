@@ -10,6 +10,7 @@ so the batch crosses to the main process without another copy -- and
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -18,11 +19,21 @@ import torch
 import torch.utils.data
 
 from .._util.libc import MADV_POPULATE_WRITE, madvise
+from .._util.sizes import format_size
 from ..store import Store
 from ..tiers.homes import is_url
+from ..tiers.policy import looks_random
 from .open import open_dataset
 
 POPULATE_MIN = 1 << 20  # shared-memory batches at least this large are faulted in with one madvise
+DETECT_SAMPLES = 4096   # samples whose order a process looks at (at most) to tell a shard-grouped order from a random one
+_warned = False         # RandomAccessWarning is given once per process
+
+
+class RandomAccessWarning(UserWarning):
+    """A kvdata.Dataset with cache tiers is read in a random order (not shard by shard): it works,
+    but ShardShuffleSampler would move far less from the home. Silence it with
+    warnings.filterwarnings("ignore", category=kvdata.reader.dataset.RandomAccessWarning)."""
 
 
 class SampleBatch(list):
@@ -73,6 +84,8 @@ class Dataset(torch.utils.data.Dataset):
         self._store: Store | None = None
         self._pid = -1
         self._mirror: str | None = None
+        self._seen: list[int] | None = []  # the first samples this process read (RandomAccessWarning)
+        self._batch = 1
         self._len = len(self.store)
 
     # -- per-process store
@@ -110,7 +123,69 @@ class Dataset(torch.utils.data.Dataset):
         state = dict(self.__dict__)
         state["_store"] = None
         state["_pid"] = -1
+        state["_seen"] = []  # every process looks at its own reads
         return state
+
+    # -- telling the user (docs/RECIPES.md)
+
+    def _observe(self, indices: Sequence[int]) -> None:
+        """Look at the first DETECT_SAMPLES samples this process reads: when they come in a
+        random order and the dataset is read through cache tiers, warn once per process."""
+        seen = self._seen
+        if seen is None:
+            return
+        if _warned:
+            self._seen = None
+            return
+        self._batch = max(self._batch, len(indices))
+        before = len(seen)
+        last = min(DETECT_SAMPLES, max(8, self._len // 2))
+        seen.extend(int(i) for i in list(indices)[:last - before])
+        # judged at 512, 1024, ... samples: a large dataset needs a longer run to show its revisits
+        if len(seen) < last and (len(seen) < 512 or len(seen).bit_length() == before.bit_length()):
+            return
+        try:
+            msg = self._random_order_message(seen)
+        except Exception:  # never let the advice break a read
+            msg = None
+        if msg is not None or len(seen) >= last:
+            self._seen = None
+        if msg is not None:
+            _warn(msg)
+
+    def _random_order_message(self, seen: list[int]) -> str | None:
+        store = self.store
+        if store.source is None:  # read in place: no cache to plan
+            return None
+        shards = store.manifest.shards
+        sample_shards = np.asarray(store.sample_shards)
+        hit = sample_shards[np.asarray(seen, dtype=np.int64)]
+        hit = hit[hit < len(shards)]  # the open tail is read in place
+        n_shards, n = len(shards), int((sample_shards < len(shards)).sum())
+        if not n_shards or not looks_random(hit.tolist(), n_shards):
+            return None
+        total = sum(e.bytes for e in shards)
+        try:
+            tiers = store.engine.status().get("tiers", [])
+            budget = sum(int(t["budget"]) for t in tiers)
+        except Exception:
+            budget = 0
+        b = min(1.0, budget / total) if total else 1.0
+        miss_bytes = (1 - b) * total
+        per_batch = n_shards * (1 - (1 - 1 / n_shards) ** self._batch)
+        whole = (1 - b) * (n / self._batch) * per_batch * total / n_shards
+        single, aware = int(round((1 - b) * n)), max(1, int(round((1 - b) * n_shards)))
+        fewer = f", {whole / miss_bytes:.0f}x fewer bytes" if miss_bytes and whole > 1.5 * miss_bytes else ""
+        return (f"kvdata: {self.path} is read in a random order ({len(set(hit.tolist()))} of its {n_shards} shards in "
+                f"the first {len(seen)} samples), not shard by shard. Its cache tiers ({format_size(budget)}, "
+                f"{b:.0%} of the dataset's {format_size(total)}) then keep a fixed {b:.0%} of it, and per epoch about "
+                f"{format_size(miss_bytes)} come from its home in {single:,} single-record reads (up to "
+                f"{format_size(whole)} where records cannot be read one by one: a whole shard per batch). "
+                f"kvdata.ShardShuffleSampler would read the same {format_size(miss_bytes)} in {aware:,} whole-shard "
+                f"reads ({single / aware:.0f}x fewer requests{fewer}) "
+                "and prefetch them ahead of the reader: DataLoader(ds, sampler=ShardShuffleSampler(ds), ...), see "
+                "docs/RECIPES.md for Lightning and Hugging Face. Silence this with warnings.filterwarnings('ignore', "
+                "category=kvdata.reader.dataset.RandomAccessWarning).")
 
     @property
     def sample_shards(self) -> np.ndarray:
@@ -126,6 +201,8 @@ class Dataset(torch.utils.data.Dataset):
         return {f: rec[f] for f in self.fields}
 
     def __getitem__(self, index: int) -> Any:
+        if self._seen is not None:
+            self._observe([index])
         rec = self.store.get_many([index], copy=self.transform is None)[0]
         rec = self._select(rec)
         if self.transform is not None:
@@ -133,6 +210,8 @@ class Dataset(torch.utils.data.Dataset):
         return bytes(rec) if isinstance(rec, (memoryview, bytes)) else rec
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        if self._seen is not None:
+            self._observe(indices)
         store = self.store
         if self.transform is not None:
             return [self.transform(self._select(r)) for r in store.get_many(indices)]
@@ -150,6 +229,13 @@ class Dataset(torch.utils.data.Dataset):
         out = _rows(batch, len(indices))
         out.tensors = {k: tensors[id(v)] for k, v in batch.items() if id(v) in tensors}
         return out
+
+
+def _warn(msg: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(msg, RandomAccessWarning, stacklevel=4)
 
 
 def _rows(batch: dict[str, Any], n: int) -> SampleBatch:

@@ -11,7 +11,7 @@ serves the in-process engine, the daemon, and bench/staging.py's replay.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 INF = float("inf")
@@ -100,3 +100,80 @@ def plan_eviction(budget: int, resident: Mapping[str, int], demands: Iterable[De
         out.append(k)
         used -= resident[k]
     return out
+
+
+# ------------------------------------------------------------ unannounced (random) orders
+#
+# A dataset nobody announced an order for is read in an order the cache cannot know: every
+# shard is as likely next as any other. Then LRU or next-use eviction only thrashes (CoorDL,
+# Mohan et al. VLDB 2021): the best a tier can do is keep a *fixed* set of whole shards that
+# fits its share of the budget -- those samples hit, every epoch -- and read every other
+# sample without keeping its shard (record by record, or a private copy that no tier holds).
+# The set is the dataset's shards of lowest sha256 (deterministic: every process, the
+# daemon and a restarted daemon choose the same one, and the sha256s spread it evenly over
+# the dataset's samples). While shard-aware readers (announced orders) share the tier, the
+# random-order datasets' sets together take at most RANDOM_SHARE of it and the shard-aware
+# readers plan with the rest: neither evicts the other's shards.
+
+SHARD_AWARE = "shard-aware"
+RANDOM = "random"
+RANDOM_SHARE = 0.5   # of a tier that random-order datasets' resident sets take while shard-aware readers share it
+
+
+def dataset_key(shas: Iterable[str]) -> str:
+    """A dataset's identity for the policy: a hash of its set of shard sha256s (so every
+    process and the daemon name it alike, whatever path or URL it was opened by)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in sorted(set(shas)):
+        h.update(s.encode())
+    return h.hexdigest()[:16]
+
+
+def random_quotas(budget: int, totals: Mapping[str, int], shared_with_aware: bool) -> dict[str, int]:
+    """Bytes of a tier each random-order dataset's resident set may take: the tier's budget
+    (RANDOM_SHARE of it while shard-aware readers share it), split in proportion to the
+    datasets' sizes (so each gets the same hit fraction), never more than a dataset's size."""
+    room = int(budget * (RANDOM_SHARE if shared_with_aware else 1.0))
+    whole = sum(totals.values())
+    if whole <= room:
+        return dict(totals)
+    return {k: room * t // whole for k, t in totals.items()}
+
+
+def resident_set(by_sha: Iterable[tuple[str, int]], quota: int) -> tuple[set[str], str]:
+    """The fixed resident set of a random-order dataset: its shards in sha256 order (the
+    caller passes them sorted), as many as fit `quota`; and the largest sha256 in it ("" when
+    empty), so a process that does not know the dataset's shard list can still tell
+    (sha <= threshold) which copies are part of it."""
+    out: set[str] = set()
+    acc = 0
+    last = ""
+    for sha, size in by_sha:
+        if acc + size > quota:
+            break
+        out.add(sha)
+        acc += size
+        last = sha
+    return out, last
+
+
+def looks_random(shards: Sequence[int], num_shards: int, window: int = 16) -> bool:
+    """Whether a run of accessed samples' shards (in access order) comes from an order that
+    is not shard-grouped. A shard-grouped order (ShardShuffleSampler with a window of up to
+    `window` shards, a sequential or strided order, any rank's share of them) does not come
+    back to a shard once it has left its window, so the run's first and last quarters share
+    no shard unless the whole run lies in one or two windows (at most 2*window+1 shards). A
+    random permutation keeps coming back: a shard of the first quarter turns up in the last
+    with probability 1 - exp(-quarter/num_shards). True when the run touches more shards than
+    two windows and at least half the expected number (and 3) come back."""
+    import math
+
+    n = len(shards)
+    if n < 8 or num_shards <= 1:
+        return False
+    q = n // 4
+    first, last = set(shards[:q]), set(shards[n - q:])
+    expected = len(first) * (1.0 - math.exp(-q / num_shards))
+    return len(set(shards)) > 2 * window + 1 and len(first & last) >= max(3.0, 0.5 * expected)

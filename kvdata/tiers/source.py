@@ -45,7 +45,7 @@ class EngineSource:
         self.engine.unpin(entry.sha256)
 
     def wants_whole(self, entry: ShardEntry) -> bool:
-        return True  # (issue 12: the engine's policy for unannounced orders decides)
+        return self.engine.wants_whole(self._home, entry)  # the policy for unannounced orders (engine.py)
 
     def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
         """From the home's framed cold copy (kvdata.tiers.records); None for a local home

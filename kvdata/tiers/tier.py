@@ -54,6 +54,7 @@ import grp
 import os
 import pwd
 import secrets
+import signal
 import stat
 import time
 from collections.abc import Iterator
@@ -98,6 +99,10 @@ class Tier:
         self._untrusted: str | None = None
         self._shared = False
         self._trust_until = 0.0
+        # kvdatad: a copy any process still has open or mapped (a descriptor it passed and a
+        # client kept, a map whose reader lock was dropped) is not evicted either; unlinked,
+        # its bytes would stay in the tier, uncounted, until the last map goes (_lease)
+        self.probe_open = False
 
     def ensure(self) -> None:
         """Create the tier's directories (at start only: a directory that vanishes later is
@@ -295,11 +300,59 @@ class Tier:
         except BlockingIOError:
             os.close(fd)
             return "held"
+        if self.probe_open and _lease(fd) == "busy":
+            os.close(fd)
+            return "held"
         try:
             unlink_quiet(p)
         finally:
-            os.close(fd)
+            os.close(fd)  # (gives the lease back)
         return "gone"
+
+    # ------------------------------------------------------------ who reads what here, and how
+
+    def claim(self, name: str) -> int:
+        """Hold a shared flock on the claim file `locks/<name>` (this uid's, created if needed)
+        for as long as the returned descriptor stays open: other processes see the claim
+        (`claims`) until it is closed or its process dies. The engine claims the datasets it
+        reads, in the mode it reads them (kvdata.tiers.engine, the policy for unannounced orders)."""
+        self.locks.mkdir(mode=0o755, exist_ok=True)
+        fd = os.open(self.locks / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(errno.EACCES, f"{self.locks / name} is not a claim file of uid {os.geteuid()}")
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def claims(self, prefix: str) -> dict[str, bytes]:
+        """name -> content (at most 256 bytes) of this uid's claim files under `locks/` whose
+        name starts with `prefix` and that some process holds (an exclusive probe fails)."""
+        out: dict[str, bytes] = {}
+        try:
+            names_ = [n for n in os.listdir(self.locks) if n.startswith(prefix)]
+        except OSError:
+            return out
+        for n in names_:
+            try:
+                fd = os.open(self.locks / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                if os.fstat(fd).st_uid != os.geteuid():
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    out[n] = os.pread(fd, 256, 0)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+        return out
 
     @contextmanager
     def budget_lock(self) -> Iterator[None]:
@@ -326,6 +379,22 @@ class Tier:
             yield
         finally:
             os.close(fd)
+
+
+def _lease(fd: int) -> str | None:
+    """Take a write lease on a copy we are about to unlink: the kernel grants it only when no
+    other open file (or memory map) of it exists anywhere. "busy" when one does, "leased", or
+    None where leases are not available (another filesystem, a handler on the signal a lease
+    break would send). The break signal is SIGURG (ignored by default), never SIGIO (fatal);
+    only kvdatad uses this: a process that forks could hand its children the leased descriptor."""
+    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
+        return None
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError as e:
+        return "busy" if e.errno in (errno.EAGAIN, errno.EBUSY) else None
+    return "leased"
 
 
 def _is_temp(name: str) -> bool:
