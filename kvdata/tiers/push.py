@@ -19,6 +19,7 @@ a push never publishes bytes its manifest does not describe.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tempfile
@@ -108,8 +109,13 @@ def _seal_tail(src: Path, records: int) -> None:
     try:
         store = Store(src, "a")
     except WriterLockedError as e:
-        raise KVDataError(f"{src} has {records} records in its open tail and {e}; push after that writer "
-                          "closes the dataset (or run `kvdata seal` then)") from None
+        raise KVDataError(f"{src} has {records} records in its open tail, which push seals first, but {e}; push "
+                          "after that writer closes the dataset") from None
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise KVDataError(f"{src} has {records} records in its open tail, which push seals first, but it cannot "
+                          f"be written here ({e.strerror}); run `kvdata seal {src}` as its owner, then push") from None
     try:
         store.seal()
         store.commit()

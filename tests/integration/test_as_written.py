@@ -388,3 +388,19 @@ def test_push_refuses_while_another_writer_holds_a_tail(tmp_path: Path) -> None:
     assert not (tmp_path / "home" / "manifest.json").exists()
     push(src, str(tmp_path / "home"), show=False)  # the writer is gone: push seals and goes on
     assert _manifest(tmp_path / "home")["tail"]["records"] == 0
+
+
+def test_push_of_a_tail_it_cannot_write_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    _tail_with_records(src, 20)
+    import kvdata.tiers.push as push_mod
+    real = push_mod.Store
+
+    def store(root: Any, mode: str = "r", **kw: Any) -> Any:
+        if mode != "r":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(root))
+        return real(root, mode, **kw)
+    monkeypatch.setattr(push_mod, "Store", store)
+    with pytest.raises(KVDataError, match="kvdata seal"):
+        push(src, str(tmp_path / "home"), show=False)
+    assert not (tmp_path / "home" / "manifest.json").exists()
