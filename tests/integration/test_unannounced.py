@@ -449,3 +449,112 @@ def test_mixed_shard_aware_and_random_jobs_share_a_daemon_tier(kit: Kit) -> None
     assert all(resident <= set(s) for s in sets), "the random job's resident set was evicted by the shard-aware job"
     assert rgot[-1]["row"]["mode"] == "random" and got[-1]["row"]["mode"] == "shard-aware"
     assert peak <= budget, f"{peak} bytes in a tier of {budget}"
+
+
+# ------------------------------------------------------------------ the recipes with the real libraries
+
+
+class _Probe(torch.nn.Module):
+    """A model small enough for CPU: a linear layer over the images, cross-entropy on the labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16 * 16 * 3, 7)
+
+    def forward(self, image: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.fc(image.reshape(len(image), -1).float() / 255)
+        return {"loss": torch.nn.functional.cross_entropy(logits, label.long()), "logits": logits}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")  # the library's own
+def test_lightning_recipe(tmp_path: Path, env_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/RECIPES.md's LightningDataModule with Trainer(use_distributed_sampler=False): our sampler
+    is kept, Lightning calls its set_epoch each epoch, the dataset is read shard-aware."""
+    L = pytest.importorskip("lightning")
+    ds_path = build_dataset(tmp_path / "ds", n=192, compress=False)
+    env_config(total_of(ds_path) // 2)
+    monkeypatch.setattr(dataset_mod, "_warned", False)
+
+    class KVDataModule(L.LightningDataModule):  # as in docs/RECIPES.md
+        def __init__(self, path: str, batch_size: int = 32, num_workers: int = 0) -> None:
+            super().__init__()
+            self.path, self.batch_size, self.num_workers = path, batch_size, num_workers
+
+        def setup(self, stage: str | None = None) -> None:
+            self.train = kvdata.Dataset(self.path, fields=["image", "label"])
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            sampler = kvdata.ShardShuffleSampler(self.train, seed=0)
+            return torch.utils.data.DataLoader(self.train, batch_size=self.batch_size, sampler=sampler,
+                                               num_workers=self.num_workers, collate_fn=kvdata.collate,
+                                               persistent_workers=self.num_workers > 0)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Probe()
+            self.epochs: list[tuple[str, int, int]] = []
+
+        def training_step(self, batch: dict[str, torch.Tensor], _i: int) -> torch.Tensor:
+            return self.net(batch["image"], batch["label"])["loss"]
+
+        def on_train_epoch_end(self) -> None:
+            s = self.trainer.train_dataloader.sampler
+            self.epochs.append((type(s).__name__, s.epoch, s._yielded))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dm, model = KVDataModule(str(ds_path)), Module()
+    trainer = L.Trainer(use_distributed_sampler=False, max_epochs=2, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RandomAccessWarning)
+        trainer.fit(model, datamodule=dm)
+    assert model.epochs == [("ShardShuffleSampler", 0, 192), ("ShardShuffleSampler", 1, 192)], model.epochs
+    assert [d["mode"] for d in dm.train.store.engine.status()["datasets"]] == ["shard-aware"]
+    dm.train.store.close()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")  # the library's own
+def test_hugging_face_trainer_recipe(tmp_path: Path, env_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/RECIPES.md's Trainer subclass: its loader (not Accelerate's) with our sampler, set_epoch
+    each epoch through EpochLoader, the dataset read shard-aware."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # the Trainer needs it with PyTorch
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ds_path = build_dataset(tmp_path / "ds", n=192, compress=False)
+    env_config(total_of(ds_path) // 2)
+    monkeypatch.setattr(dataset_mod, "_warned", False)
+
+    class EpochLoader(torch.utils.data.DataLoader):  # as in docs/RECIPES.md
+        def set_epoch(self, epoch: int) -> None:
+            self.sampler.set_epoch(epoch)
+
+    class KVDataTrainer(transformers.Trainer):
+        def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+            ds = self.train_dataset
+            sampler = kvdata.ShardShuffleSampler(ds, seed=self.args.seed)
+            return EpochLoader(ds, batch_size=self._train_batch_size, sampler=sampler,
+                               num_workers=self.args.dataloader_num_workers, collate_fn=kvdata.collate,
+                               pin_memory=self.args.dataloader_pin_memory,
+                               persistent_workers=self.args.dataloader_num_workers > 0)
+
+    seen: list[tuple[int, int]] = []
+
+    class Record(transformers.TrainerCallback):
+        def on_epoch_end(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kw: Any) -> None:
+            seen.append((train_dataloader.sampler.epoch, train_dataloader.sampler._yielded))
+
+    dataset = kvdata.Dataset(ds_path, fields=["image", "label"])
+    args = transformers.TrainingArguments(str(tmp_path / "out"), seed=0, remove_unused_columns=False,
+                                          num_train_epochs=2, per_device_train_batch_size=32, report_to=[],
+                                          use_cpu=True, save_strategy="no", logging_strategy="no",
+                                          disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False)
+    trainer = KVDataTrainer(model=_Probe(), args=args, train_dataset=dataset, callbacks=[Record()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RandomAccessWarning)
+        trainer.train()
+    assert seen == [(0, 192), (1, 192)], seen
+    assert [d["mode"] for d in dataset.store.engine.status()["datasets"]] == ["shard-aware"]
+    dataset.store.close()
