@@ -28,6 +28,7 @@ import zstandard
 
 from ..errors import ChecksumMismatchError, CorruptDatasetError, RemoteError
 from ..format import ShardEntry, frames, names
+from ..format.codec import CHUNK
 from .homes import Home
 
 T = TypeVar("T")
@@ -131,7 +132,7 @@ class RecordReader:
         assert z is not None
         name = f"{names.SHARDS_DIR}/{z.name}"
         want: list[tuple[int, int]] = []
-        needed: set[int] = set()
+        needed: dict[int, int] = {}   # frame -> how many of its bytes the wanted records need
         for s in slots:
             s = int(s)
             if not 0 <= s < len(t.slot_off):
@@ -140,7 +141,8 @@ class RecordReader:
             b = a + int(t.slot_size[s])
             want.append((a, b))
             if b > a:
-                needed.update(t.frames_of(a, b))
+                for f in t.frames_of(a, b):
+                    needed[f] = max(needed.get(f, 0), min(b, int(t.u_off[f + 1])) - int(t.u_off[f]))
         runs = _runs(sorted(needed), t)
         futs = [_POOL.submit(self._fetch, name, int(t.c_off[lo]), int(t.c_off[hi] - t.c_off[lo])) for lo, hi in runs]
         plain: dict[int, bytes] = {}
@@ -151,7 +153,7 @@ class RecordReader:
                 base = int(t.c_off[lo])
                 for f in range(lo, hi):
                     frame = blob[int(t.c_off[f]) - base:int(t.c_off[f + 1]) - base]
-                    plain[f] = self._decompress(entry, t, f, frame, dctx)
+                    plain[f] = self._decompress(entry, t, f, frame, dctx, needed[f])
         finally:
             for fut in futs:
                 fut.cancel()
@@ -169,7 +171,10 @@ class RecordReader:
         return out
 
     def _decompress(self, entry: ShardEntry, t: frames.SeekTable, f: int, frame: memoryview,
-                    dctx: zstandard.ZstdDecompressor) -> bytes:
+                    dctx: zstandard.ZstdDecompressor, upto: int) -> bytes:
+        """The first `upto` bytes of frame `f`, once its digest matches the table. Only what the
+        wanted records need is decompressed, through a stream reader a chunk at a time: a frame
+        that claims (or would expand to) more cannot make a reader hold more."""
         z = entry.zst
         assert z is not None
         where = self.home.where(f"{names.SHARDS_DIR}/{z.name}")
@@ -179,14 +184,23 @@ class RecordReader:
                 "not match its checksum in the seek table; it was not used. Restore the home copy (kvdata push)")
         usize = int(t.u_off[f + 1] - t.u_off[f])
         try:
-            data = dctx.decompress(frame, max_output_size=usize)
+            declared = zstandard.frame_content_size(frame)
+            if declared != usize:
+                raise ChecksumMismatchError(f"{where}: frame {f} of shard {entry.name} declares {declared} bytes, the "
+                                            f"seek table says {usize}; it was not used")
+            parts = []
+            got = 0
+            with dctx.stream_reader(frame, read_across_frames=False) as r:
+                while got < upto and (chunk := r.read(min(upto - got, CHUNK))):
+                    parts.append(chunk)
+                    got += len(chunk)
         except zstandard.ZstdError as e:
             raise ChecksumMismatchError(f"{where}: frame {f} of shard {entry.name} cannot be decompressed ({e}); "
                                         "it was not used. Restore the home copy (kvdata push)") from None
-        if len(data) != usize:
-            raise ChecksumMismatchError(f"{where}: frame {f} of shard {entry.name} decompresses to {len(data)} bytes, "
-                                        f"the seek table says {usize}; it was not used")
-        return data
+        if got != upto:
+            raise ChecksumMismatchError(f"{where}: frame {f} of shard {entry.name} decompresses to {got} bytes, the "
+                                        f"seek table says {usize}; it was not used")
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
         with self._lock:

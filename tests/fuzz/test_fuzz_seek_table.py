@@ -118,3 +118,50 @@ def test_fuzz_lmdb_walk_on_damaged_shards(shard: tuple[bytes, bytes, Any]) -> No
             cuts = frames.frame_cuts(len(b), got, 4096)
             assert cuts[0][0] == 0 and cuts[-1][1] == len(b)
     case()
+
+
+# ---------------------------------------------------------------- regressions
+
+
+def _hostile_copy(frame: bytes, usize: int, slots: list[tuple[int, int]]) -> tuple[ShardEntry, MemHome]:
+    """A home whose copy is one frame and a table that vouches for it, and a manifest entry
+    that vouches for the table: everything consistent, as a hostile home can make it."""
+    sl = np.zeros(len(slots), frames.SLOT_DTYPE)
+    sl["offset"] = [a for a, _ in slots]
+    sl["size"] = [b for _, b in slots]
+    table = frames.encode_seek_table(usize, [(len(frame), usize, frames.frame_digest(frame))], sl)
+    z = frame + table
+    zst = ZstCopy("000000.mdb.zst", len(z), hashlib.sha256(z).hexdigest(), len(table), hashlib.sha256(table).hexdigest())
+    entry = ShardEntry(0, "000000.mdb", len(slots), usize, "0" * 64, zst)
+    return entry, MemHome({"shards/000000.mdb.zst": z})
+
+
+def test_a_small_frame_that_expands_to_gigabytes_is_decompressed_only_as_far_as_needed() -> None:
+    import tracemalloc
+
+    import zstandard
+
+    big = 256 << 20
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    chunks = cctx.compressobj(size=big)
+    zero = bytes(1 << 20)
+    frame = b"".join(chunks.compress(zero) for _ in range(big >> 20)) + chunks.flush()
+    assert len(frame) < 64 << 10
+    entry, home = _hostile_copy(frame, big, [(0, 100), (big - 100, 100)])
+    tracemalloc.start()
+    try:
+        got = RecordReader(home).read(entry, [0])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got == [bytes(100)]
+    assert peak < 16 << 20, peak
+
+
+def test_a_frame_that_declares_another_size_than_its_table_is_refused() -> None:
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(5000))
+    entry, home = _hostile_copy(frame, 4000, [(0, 100)])
+    with pytest.raises(KVDataError, match="declares 5000 bytes"):
+        RecordReader(home).read(entry, [0])
