@@ -17,11 +17,17 @@ fsync'ed before the clock stops), and the table reports the median samples/s of 
   every seal did before issue 12), to show what the lazy cold copy saves.
 
 Disk bytes per method are reported too (a .zst beside every shard doubles them for
-incompressible data). Run:  python bench/write.py [--quick] [--json F]
+incompressible data).
+
+(c) the cost of one seal (+ its commit) of a tail holding the images of (a): sealing in place
+(a hard link, the offsets from the tail env's map, the sha256) against the compacted copy it
+replaced (`mdb_env_copy2`, still the path where a filesystem refuses hard links), each with and
+without a zstd copy. Run:  python bench/write.py [--quick] [--json F]
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import sys
@@ -34,6 +40,7 @@ import lmdb
 import numpy as np
 
 import kvdata
+from kvdata.store import shards
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
@@ -164,6 +171,43 @@ def table(title: str, rates: dict[str, list[float]], disk: dict[str, int], nbyte
     return f"### {title}\n\n" + md_table(header, lines), rows
 
 
+def seal_cost(root: Path, data: list[np.ndarray], repeats: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Milliseconds of seal() + commit() of one tail holding `data` (the puts and their commit untimed)."""
+    real_link = shards.os.link
+
+    def no_link(*_a: Any, **_k: Any) -> None:
+        raise OSError(errno.EXDEV, "hard links refused (bench: the copy path)")
+
+    cases = {"in place (hard link)": (True, False), "compacted copy (before issue 12)": (False, False),
+             "in place + zstd copy": (True, True), "compacted copy + zstd copy (before issue 12's default)": (False, True)}
+    disk: dict[str, int] = {}
+
+    def run(name: str, r: int) -> float:
+        link, compress = cases[name]
+        p = root / f"seal-{r}"
+        shutil.rmtree(p, ignore_errors=True)
+        tail_size = 2 * sum(a.nbytes for a in data) + (64 << 20)  # one tail holds them all
+        st = kvdata.open(p, "a", shard_size=tail_size, compress=compress)
+        try:
+            st.put_many((f"{i:08d}", {"image": a}) for i, a in enumerate(data))
+            st.commit()
+            st.seal()
+            shards.os.link = real_link if link else no_link
+            t0 = time.perf_counter()
+            st.commit()
+            ms = (time.perf_counter() - t0) * 1e3
+            if st.manifest.tail.records or len(st.manifest.shards) != 1:
+                raise SystemExit(f"{p}: expected one shard sealed by seal(), got {len(st.manifest.shards)}")
+        finally:
+            shards.os.link = real_link
+            st.close()
+        disk[name] = dir_bytes(p / "shards")
+        shutil.rmtree(p, ignore_errors=True)
+        return ms
+
+    return repeat_rotated(list(cases), repeats, run), disk
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", type=Path, help="where to write (default: a temp dir under /tmp)")
@@ -171,6 +215,7 @@ def main() -> None:
     p.add_argument("--n-small", type=int, default=200_000, help="1 KiB records (default 200000, ~205 MB)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shard-size", default="256MB", help="kvdata shard size")
+    p.add_argument("--skip-seal", action="store_true", help="skip (c)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -181,6 +226,7 @@ def main() -> None:
     machine = machine_info()
     out: dict[str, Any] = {"config": {k: str(v) for k, v in vars(a).items()}, "machine": machine, "sections": {}}
     md = [f"## kvdata write ({machine_line(machine)})", ""]
+    seal_md: list[str] = []
     try:
         for key, n, nbytes, title in (
                 ("a", a.n_images, IMG, f"(a) {a.n_images} images {SHAPE} uint8, written and fsync'ed"),
@@ -191,9 +237,19 @@ def main() -> None:
             text += (f"\nAfter close: {shape['shards']} sealed shard(s), no record left in the tail, "
                      f"{shape['zst_copies']} zstd copies (made at `kvdata push`).\n")
             md.append(text)
+            if key == "a" and not a.skip_seal:
+                ms, sdisk = seal_cost(d / "c", data, a.repeats)
+                base = median(ms["compacted copy (before issue 12)"])
+                rows = [[name, f"{median(v):,.0f}", f"{sdisk[name] / 1e6:,.1f}", f"{median(v) / base:.2f}x"]
+                        for name, v in ms.items()]
+                out["sections"]["c"] = [{"method": name, "median_ms": median(v), "ms": v, "disk_bytes": sdisk[name]}
+                                        for name, v in ms.items()]
+                seal_md.append(f"### (c) one seal + commit of a tail of {n} images ({n * nbytes / 1e6:,.0f} MB)\n\n"
+                          + md_table(["seal", "ms (median)", "shard files MB", "vs compacted copy"], rows))
             del data
+        md += seal_md
     finally:
-        for key in ("a", "b"):
+        for key in ("a", "b", "c"):
             shutil.rmtree(d / key, ignore_errors=True)
         if made or not any(d.iterdir()):
             shutil.rmtree(d, ignore_errors=True)
