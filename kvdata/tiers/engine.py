@@ -92,7 +92,8 @@ class _Dataset:
     by_sha: list[tuple[str, int]]   # (sha256, bytes) of its shards, in sha256 order
     total: int
     active: bool = False            # read since opened (it then claims its mode in the tiers)
-    from_home: int = 0              # bytes of whole shards read from its home (staged, private copies, in place)
+    from_home: int = 0              # bytes of whole shards read from its home (staged, private copies, in
+                                    # place); record reads are in the engine's bytes_from_home only
     claims: dict[str, tuple[str, int]] = field(default_factory=dict)  # tier -> (claim file name, descriptor)
 
 
@@ -339,7 +340,7 @@ class Engine:
                         "shards": len(d.by_sha), "bytes": d.total, "resident_shards": len(members),
                         "resident_bytes": sum(sizes[s] for s in members),
                         "resident_staged": sum(self.fastest_copy(s) is not None for s in members),
-                        "resident_budget": quota, "bytes_from_home": d.from_home})
+                        "resident_budget": quota, "shard_bytes_from_home": d.from_home})
         mine = {d.key for d in active}
         others: dict[str, tuple[int, str]] = {}
         for v in views.values():

@@ -311,17 +311,32 @@ class Tier:
 
     # ------------------------------------------------------------ who reads what here, and how
 
+    def _claims_dir(self, create: bool) -> Path:
+        """`locks/claims-<uid>`: this uid's claim files (a directory of their own: the locks
+        directory holds a staging lock per shard ever staged, too many to list twice a second)."""
+        d = self.locks / f"claims-{os.geteuid()}"
+        if create:
+            self.locks.mkdir(mode=0o755, exist_ok=True)
+            try:
+                d.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _others_may_write(st):
+            raise OSError(errno.EACCES, f"{d} is not a claims directory of uid {os.geteuid()}")
+        return d
+
     def claim(self, name: str) -> int:
-        """Hold a shared flock on the claim file `locks/<name>` (this uid's, created if needed)
+        """Hold a shared flock on the claim file `locks/claims-<uid>/<name>` (created if needed)
         for as long as the returned descriptor stays open: other processes see the claim
         (`claims`) until it is closed or its process dies. The engine claims the datasets it
         reads, in the mode it reads them (kvdata.tiers.engine, the policy for unannounced orders)."""
-        self.locks.mkdir(mode=0o755, exist_ok=True)
-        fd = os.open(self.locks / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        d = self._claims_dir(create=True)
+        fd = os.open(d / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise OSError(errno.EACCES, f"{self.locks / name} is not a claim file of uid {os.geteuid()}")
+                raise OSError(errno.EACCES, f"{d / name} is not a claim file of uid {os.geteuid()}")
             fcntl.flock(fd, fcntl.LOCK_SH)
             return fd
         except BaseException:
@@ -329,16 +344,17 @@ class Tier:
             raise
 
     def claims(self, prefix: str) -> dict[str, bytes]:
-        """name -> content (at most 256 bytes) of this uid's claim files under `locks/` whose
-        name starts with `prefix` and that some process holds (an exclusive probe fails)."""
+        """name -> content (at most 256 bytes) of this uid's claim files whose name starts with
+        `prefix` and that some process holds (an exclusive probe fails)."""
         out: dict[str, bytes] = {}
         try:
-            names_ = [n for n in os.listdir(self.locks) if n.startswith(prefix)]
+            d = self._claims_dir(create=False)
+            names_ = [n for n in os.listdir(d) if n.startswith(prefix)]
         except OSError:
             return out
         for n in names_:
             try:
-                fd = os.open(self.locks / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                fd = os.open(d / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
                 continue
             try:

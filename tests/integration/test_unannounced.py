@@ -366,8 +366,8 @@ else:
         n = sum(len(b["label"]) for b in loader)
         st = dataset.store.engine.status()
         r = row(st)
-        print(json.dumps({{"epoch": e, "n": n, "fetched": r["bytes_from_home"] - before, "row": r}}), flush=True)
-        before = r["bytes_from_home"]
+        print(json.dumps({{"epoch": e, "n": n, "fetched": r["shard_bytes_from_home"] - before, "row": r}}), flush=True)
+        before = r["shard_bytes_from_home"]
     if stop:
         open(stop, "w").close()
 """.format(tests=str(TESTS))
