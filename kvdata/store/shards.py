@@ -277,8 +277,37 @@ def truncate_tail(env: lmdb.Environment, committed: int) -> None:
 NO_LINK_ERRNOS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS)
 
 
+class Hasher:
+    """The (size, sha256) of a sealed shard file, computed on a daemon thread (hashlib and file
+    reads release the GIL), so the writer goes on appending to the next tail meanwhile; the
+    commit waits for it (`result`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._out: tuple[int, str] | None = None
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvdata-seal-sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._out = file_sha256(self.path)
+        except BaseException as e:  # handed to the committer
+            self._err = e
+
+    def result(self) -> tuple[int, str]:
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        assert self._out is not None
+        return self._out
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
 def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool = False,
-         incarnation: int = 0) -> tuple[ShardEntry, np.ndarray]:
+         incarnation: int = 0, *, hash_later: bool = False) -> tuple[ShardEntry, np.ndarray]:
     """Seal the tail in place: return (manifest entry, record rows) of shard `shard_id`.
 
     The tail is append-only and already a complete LMDB file, so it is not copied: once its
@@ -289,6 +318,8 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
     Where the filesystem refuses hard links (NO_LINK_ERRNOS) the tail is copied compacted to
     `NNNNNN.mdb.tmp` instead and renamed once complete, as before issue 12.
     No zstd copy is made unless `compress` (cold copies are made when needed: `kvdata push`).
+    hash_later: the entry's sha256 is left empty (its bytes are the file's size); the caller
+    hashes the file (Hasher) before any manifest names the shard.
     """
     dest = shards_dir / names.shard_name(shard_id, incarnation)
     tail = shards_dir / names.tail_name(shard_id, incarnation)
@@ -312,7 +343,7 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
             tail_env.copy(str(tmp), compact=True)
             fsync_file(tmp)
             records = scan(tmp)
-        size, sha = file_sha256(src)
+        size, sha = (os.stat(src).st_size, "") if hash_later else file_sha256(src)
         zst = None
         if compress:
             with open(ztmp, "wb") as f:

@@ -18,6 +18,7 @@ The writer reads the committed generation only through its Reader's public metho
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -47,7 +48,7 @@ from . import index as ix
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .reader import Reader
-from .shards import ENVS, is_tail_link, open_tail_for_write, seal, truncate_tail
+from .shards import ENVS, Hasher, is_tail_link, open_tail_for_write, seal, truncate_tail
 
 log = logging.getLogger("kvdata")
 
@@ -67,6 +68,7 @@ class Pending:
     """Everything written since the last commit, discarded as one on failure."""
 
     sealed: list[tuple[ShardEntry, np.ndarray]] = field(default_factory=list)  # (entry, record rows)
+    hashing: dict[int, Hasher] = field(default_factory=dict)  # shard id -> its sha256 in progress
     new_keys: dict[str, int] = field(default_factory=dict)  # key -> position in new_rows
     new_rows: list[Row] = field(default_factory=list)
     new_hash: list[int] = field(default_factory=list)
@@ -161,6 +163,7 @@ class Writer:
 
         Everything the manifest names is checked before any file is touched."""
         self._close_envs(abort=True)
+        self._wait_hashing()
         m = read_manifest(self.root)
         tail_path = self.shards_dir / m.tail.name
         for s in m.shards:
@@ -249,6 +252,12 @@ class Writer:
     def _committed(self) -> Reader:
         assert self.reader is not None  # set by the first recovery, before any write
         return self.reader
+
+    def _wait_hashing(self) -> None:
+        """Let the sha256 threads of discarded seals finish before their files are touched."""
+        pending = getattr(self, "pending", None)
+        for h in (pending.hashing.values() if pending is not None else ()):
+            h.wait()
 
     def _close_envs(self, abort: bool) -> None:
         if self.txn is not None:
@@ -414,12 +423,14 @@ class Writer:
             self.env.sync(True)
             self._written |= {names.shard_name(self.tail_id, inc), names.zst_name(names.shard_name(self.tail_id, inc)),
                               next_tail, names.lmdb_lock_name(next_tail)}
-            entry, records = seal(self.env, self.shards_dir, self.tail_id, self.compress, inc)
+            entry, records = seal(self.env, self.shards_dir, self.tail_id, self.compress, inc, hash_later=True)
+            hasher = Hasher(self.shards_dir / entry.name)  # hashed while the next tail fills
             env = open_tail_for_write(self.shards_dir / next_tail, self.shard_size)
         except (OSError, lmdb.Error, CorruptDatasetError) as e:
             self._fail()
             raise CommitError(self._failure_message(e)) from None
         self.pending.sealed.append((entry, records))
+        self.pending.hashing[entry.id] = hasher
         self._old_envs[self.tail_id] = self.env
         self.tail_id += 1
         self.env = env
@@ -441,6 +452,7 @@ class Writer:
         try:
             self._flush_txn()
             self.env.sync(True)
+            self._hashed()
             new_m, stale = self._write_generation()
         except (OSError, lmdb.Error) as e:
             self._fail()
@@ -459,6 +471,23 @@ class Writer:
         self._retired = None
         self._publish(load_generation(self.root))
         return new_m.generation
+
+    def _hashed(self) -> None:
+        """Put the sha256 of every shard sealed since the last commit into its entry (waiting for
+        the hashing threads); a file that changed size since its seal fails the commit."""
+        p = self.pending
+        done = []
+        for entry, records in p.sealed:
+            h = p.hashing.get(entry.id)
+            if h is not None:
+                size, sha = h.result()
+                if size != entry.bytes:
+                    raise OSError(errno.EIO, f"shard {entry.name} changed size while it was sealed "
+                                             f"({entry.bytes} -> {size} bytes)")
+                entry = dataclasses.replace(entry, sha256=sha)
+            done.append((entry, records))
+        p.sealed = done
+        p.hashing.clear()
 
     def _check_sole_writer(self) -> None:
         """Refuse to commit if another writer got in (a filesystem where flock does not exclude):
@@ -562,6 +591,7 @@ class Writer:
                 committed = True
         finally:
             self._close_envs(abort=True)
+            self._wait_hashing()
             never_written = self._created and self.m.generation == 0 and not committed
             if never_written:
                 shutil.rmtree(self.root, ignore_errors=True)

@@ -404,3 +404,26 @@ def test_push_of_a_tail_it_cannot_write_says_what_to_do(tmp_path: Path, monkeypa
     with pytest.raises(KVDataError, match="kvdata seal"):
         push(src, str(tmp_path / "home"), show=False)
     assert not (tmp_path / "home" / "manifest.json").exists()
+
+
+def test_a_failed_sha256_of_a_sealed_shard_fails_the_commit_and_changes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sha256 of a sealed shard is computed on a thread while the next tail fills; the
+    commit waits for it, and a failure there discards the writes like any failed commit."""
+    ds = tmp_path / "ds"
+    m = _tail_with_records(ds)
+
+    def broken(*_a: Any, **_k: Any) -> Any:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(shards_mod, "file_sha256", broken)
+    st = kvdata.open(ds, "a", shard_size="64KB")
+    st.put_many((f"n{i}", _small(i)) for i in range(200))  # seals shards on the way
+    with pytest.raises(KVDataError, match="unchanged at generation"):
+        st.commit()
+    st.close()
+    monkeypatch.undo()
+    assert _manifest(ds)["generation"] == m["generation"]
+    assert not [p for p in (ds / "shards").iterdir() if names.parse_shard_name(p.name)]
+    with kvdata.open(ds) as r:
+        assert len(r) == 200 and "n1" not in r
+    assert verify(ds, progress=False)["ok"]
