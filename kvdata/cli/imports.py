@@ -56,7 +56,9 @@ def _image_options(f: F) -> F:
 def _write_options(f: F) -> F:
     """How the dataset is written and what is printed (every importer)."""
     f = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")(f)
-    f = click.option("--no-compress", is_flag=True, help="Do not write .mdb.zst copies of sealed shards.")(f)
+    f = click.option("--compress/--no-compress", default=False, show_default=True,
+                     help="Write each shard's .mdb.zst cold copy when it is sealed (otherwise `kvdata push` "
+                          "makes them when it uploads).")(f)
     f = click.option("--shard-size", callback=_check_size,
                      help="Seal shards at this size (default: 256MB for a new dataset, else the dataset's own).")(f)
     return f
@@ -81,12 +83,12 @@ def import_group() -> None:
 @_image_options
 @_write_options
 def import_folder(src: str, dataset: str, decode: str, resize: str | None, shuffle: bool, seed: int,
-                  workers: int, shard_size: str | None, no_compress: bool, as_json: bool) -> None:
+                  workers: int, shard_size: str | None, compress: bool, as_json: bool) -> None:
     """One record per image under SRC; label = parent directory (ImageFolder layout)."""
     from ..importers.folder import import_folder as run
 
     _report(run(src, dataset, decode=decode, resize=_parse_resize(resize), shuffle=shuffle, seed=seed,
-                workers=workers, shard_size=shard_size, compress=not no_compress), as_json)
+                workers=workers, shard_size=shard_size, compress=compress), as_json)
 
 
 @import_group.command("listfile")
@@ -97,12 +99,12 @@ def import_folder(src: str, dataset: str, decode: str, resize: str | None, shuff
 @_image_options
 @_write_options
 def import_listfile(listfile: str, dataset: str, root: str, decode: str, resize: str | None, shuffle: bool,
-                    seed: int, workers: int, shard_size: str | None, no_compress: bool, as_json: bool) -> None:
+                    seed: int, workers: int, shard_size: str | None, compress: bool, as_json: bool) -> None:
     """Caffe convert_imageset list: one `relative/path label` per line."""
     from ..importers.folder import import_listfile as run
 
     _report(run(listfile, dataset, root=root, decode=decode, resize=_parse_resize(resize), shuffle=shuffle,
-                seed=seed, workers=workers, shard_size=shard_size, compress=not no_compress), as_json)
+                seed=seed, workers=workers, shard_size=shard_size, compress=compress), as_json)
 
 
 @import_group.command("caffe")
@@ -110,13 +112,13 @@ def import_listfile(listfile: str, dataset: str, root: str, decode: str, resize:
 @click.argument("dataset", type=click.Path())
 @click.option("--keep-encoded", is_flag=True, help="Store encoded records' JPEG/PNG bytes as is (field 'encoded').")
 @_write_options
-def import_caffe(src_lmdb: str, dataset: str, keep_encoded: bool, shard_size: str | None, no_compress: bool,
+def import_caffe(src_lmdb: str, dataset: str, keep_encoded: bool, shard_size: str | None, compress: bool,
                  as_json: bool) -> None:
     """Caffe LMDB of Datum records (convert_imageset): keys, order and labels kept; images HWC."""
     from ..importers.caffe import import_caffe as run
 
     _report(run(src_lmdb, dataset, keep_encoded=keep_encoded, shard_size=shard_size,
-                compress=not no_compress), as_json)
+                compress=compress), as_json)
 
 
 @click.command()

@@ -92,7 +92,7 @@ def _build_datum_class() -> type:
 # ---------------------------------------------------------------- public entry point
 
 def import_caffe(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, keep_encoded: bool = False,
-                 shard_size: int | str | None = None, compress: bool = True,
+                 shard_size: int | str | None = None, compress: bool = False,
                  progress: bool | None = None) -> dict[str, Any]:
     """Import every `Datum` record of the Caffe LMDB `src` (a directory holding data.mdb, or
     the data file itself) into `dataset`, keeping keys, key order and labels.

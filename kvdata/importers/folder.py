@@ -49,7 +49,7 @@ class Options(NamedTuple):
 
 def import_folder(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, decode: str = "none",
                   resize: tuple[int, int] | None = None, shuffle: bool = True, seed: int = 0, workers: int = 0,
-                  shard_size: int | str | None = None, compress: bool = True, progress: bool | None = None) -> dict[str, Any]:
+                  shard_size: int | str | None = None, compress: bool = False, progress: bool | None = None) -> dict[str, Any]:
     """Import every image under `src` (ImageFolder layout: src/<class>/.../<file>) into `dataset`.
 
     The label of a file is the index of its top-level directory among the sorted
@@ -73,7 +73,7 @@ def import_folder(src: str | os.PathLike[str], dataset: str | os.PathLike[str], 
 def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike[str], *,
                     root: str | os.PathLike[str], decode: str = "none", resize: tuple[int, int] | None = None,
                     shuffle: bool = True, seed: int = 0, workers: int = 0, shard_size: int | str | None = None,
-                    compress: bool = True, progress: bool | None = None) -> dict[str, Any]:
+                    compress: bool = False, progress: bool | None = None) -> dict[str, Any]:
     """Import the images named by a Caffe list file ("relative/path label" per line) into `dataset`.
 
     Files are `root`/relative/path and keys are the paths as written. The list

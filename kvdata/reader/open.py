@@ -32,7 +32,7 @@ from .daemon_client import DaemonStager, open_root
 
 
 def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
-                 compress: bool = True, copy_threads: int | None = None, config: Config | None = None,
+                 compress: bool = False, copy_threads: int | None = None, config: Config | None = None,
                  engine: Engine | None = None, use_daemon: bool = True, mirror_root: str | None = None) -> Store:
     """Open a dataset by path or URL (see module docstring): "r" reads, "a" appends (creating
     it if missing), "w" starts it empty.

@@ -31,7 +31,7 @@ class Store:
     """A kvdata dataset. Use kvdata.open() to get one; use it as a context manager."""
 
     def __init__(self, root: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,
-                 compress: bool = True, copy_threads: int | None = None, readahead: bool = True,
+                 compress: bool = False, copy_threads: int | None = None, readahead: bool = True,
                  source: ShardSource | None = None) -> None:
         if mode not in ("r", "a", "w"):
             raise ValueError(f"mode must be 'r', 'a' or 'w', not {mode!r}")

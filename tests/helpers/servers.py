@@ -225,9 +225,10 @@ def sample(i: int) -> dict[str, Any]:
             "label": i % 7, "name": f"n{i}"}
 
 
-def build_dataset(path: Path, n: int = 120, shard_size: str = "64KB") -> Path:
-    """A sealed dataset of `n` samples in ~64 KB shards (120 samples: about 12 shards)."""
-    with kvdata.open(path, "w", shard_size=shard_size) as s:
+def build_dataset(path: Path, n: int = 120, shard_size: str = "64KB", compress: bool = True) -> Path:
+    """A sealed dataset of `n` samples in ~64 KB shards (120 samples: about 12 shards), with
+    cold copies made at seal unless `compress` is False (then push makes them)."""
+    with kvdata.open(path, "w", shard_size=shard_size, compress=compress) as s:
         s.put_many((f"k{i:05d}", sample(i), i % 7) for i in range(n))
         s.seal()
     return path

@@ -46,7 +46,7 @@ class Version:
 def build(path: Path, seed: int) -> Version:
     rng = np.random.default_rng(seed)
     values = {f"k{i:03d}": rng.integers(0, 256, VALUE_BYTES, dtype=np.uint8).tobytes() for i in range(N_KEYS)}
-    with kvdata.open(path, "w", shard_size="64KB") as s:
+    with kvdata.open(path, "w", shard_size="64KB", compress=True) as s:  # cold copies at seal
         s.put_many((k, v, i % 3) for i, (k, v) in enumerate(values.items()))
         s.seal()
     with kvdata.open(path) as s:

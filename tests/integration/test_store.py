@@ -25,8 +25,8 @@ def img(i: int, shape=(40, 40, 3)) -> np.ndarray:
     return np.full(shape, i % 251, dtype=np.uint8)
 
 
-def fill(path: Path, n: int, shard_size: str = "64KB", start: int = 0) -> None:
-    with kvdata.open(path, "a", shard_size=shard_size) as s:
+def fill(path: Path, n: int, shard_size: str = "64KB", start: int = 0, compress: bool = False) -> None:
+    with kvdata.open(path, "a", shard_size=shard_size, compress=compress) as s:
         for i in range(start, start + n):
             s.put(f"k{i}", {"image": img(i), "label": i % 7, "name": f"n{i}"})
 
@@ -87,7 +87,7 @@ def test_views_are_read_only_and_copies_are_owned(tmp_path: Path) -> None:
 
 def test_sealing_writes_checksummed_shards_and_zstd_copies(tmp_path: Path) -> None:
     p = tmp_path / "ds.kv"
-    fill(p, 120)
+    fill(p, 120, compress=True)  # cold copies at seal (the default leaves them to push)
     m = kvdata.open(p).manifest
     assert len(m["shards"]) >= 5
     for e in m["shards"]:
@@ -103,7 +103,7 @@ def test_sealing_writes_checksummed_shards_and_zstd_copies(tmp_path: Path) -> No
 
 def test_no_compress_switch(tmp_path: Path) -> None:
     p = tmp_path / "ds.kv"
-    with kvdata.open(p, "a", shard_size="64KB", compress=False) as s:
+    with kvdata.open(p, "a", shard_size="64KB") as s:  # the default: no cold copy at seal
         s.put_many((f"k{i}", {"image": img(i)}) for i in range(60))
     assert not list((p / "shards").glob("*.zst"))
     assert all(e["zst"] is None for e in kvdata.open(p).manifest["shards"])
