@@ -662,7 +662,10 @@ class Engine:
             keys = {k for e in entries[:64] for k in self._ds_of.get(e.sha256, ())}
             before = self._aware_readers.get(reader, set())
             self._aware_readers[reader] = keys
-        if keys != before:
+            idle = [key for key in keys if not self._datasets[key].active]
+            for key in idle:  # a sampler that announces in the main process reads through its workers
+                self._datasets[key].active = True
+        if keys != before or idle:
             self._update_claims()
         if self.prefetch:
             self._replan()

@@ -202,6 +202,38 @@ def test_shard_aware_epochs_in_process_stay_within_budget_and_warn_nothing(tmp_p
     dataset.store.close()
 
 
+def test_dataloader_workers_see_the_samplers_announcement(tmp_path: Path, env_config: Any) -> None:
+    """ShardShuffleSampler announces in the main process; DataLoader workers, with engines of
+    their own, read the dataset shard-aware too (the main process's claim in the tier), and
+    a shuffle=True loader's workers read it in random mode."""
+    ds = build_dataset(tmp_path / "ds", n=384, compress=False)
+    env_config(total_of(ds) // 4)
+    dataset = kvdata.Dataset(ds)
+    shards = dataset.store.manifest.shards
+
+    def collate(batch: Any) -> Any:  # runs in the worker: how does its own engine read the dataset?
+        src = dataset.store.source
+        return kvdata.collate(batch), [src.wants_whole(e) for e in shards]
+
+    sampler = kvdata.ShardShuffleSampler(dataset, window=2)
+    seen = [w for _b, w in torch.utils.data.DataLoader(dataset, sampler=sampler, batch_size=BATCH, num_workers=2,
+                                                        collate_fn=collate)]
+    assert seen and all(all(w) for w in seen[2:]), "a worker did not see the sampler's announcement"
+    dataset.store.close()
+
+    # another dataset (this process's announcement of the first one lasts as long as its engine)
+    other = build_dataset(tmp_path / "other", n=384, start=1000, compress=False)
+    dataset = kvdata.Dataset(other)
+    shards = dataset.store.manifest.shards
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RandomAccessWarning)
+        seen = [w for _b, w in torch.utils.data.DataLoader(dataset, shuffle=True, batch_size=BATCH, num_workers=2,
+                                                            collate_fn=collate)]
+    quota = policy.random_quotas(total_of(ds) // 4, {"o": total_of(other)}, False)["o"]  # the first one is closed
+    assert seen[-1] == [e.sha256 in expected_set(other, quota) for e in shards]
+    dataset.store.close()
+
+
 def test_kvdata_status_json_shows_the_mode_of_another_process(tmp_path: Path) -> None:
     ds = build_dataset(tmp_path / "ds", n=192, compress=False)
     budget = total_of(ds) // 4
