@@ -145,10 +145,47 @@ def _file_key(path: str | os.PathLike[str]) -> tuple[Any, ...] | None:
     return ("ino", st.st_dev, st.st_ino)
 
 
+LOCK_FILE_BYTES = 128 << 10  # > LMDB's reader table for MAX_READERS (64 bytes a slot plus its header)
+
+
+def _preallocate_lock(path: str) -> None:
+    """Give a new tail's LMDB lock file its blocks before LMDB maps it: LMDB makes it sparse and
+    writes its reader table through the map, which a full filesystem answers with SIGBUS;
+    allocated here, a full disk is an ENOSPC OSError the writer reports in one line."""
+    lock = names.lmdb_lock_name(path)
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        return
+    try:
+        os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+    except OSError as e:
+        os.close(fd)
+        unlink_quiet(Path(lock))
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            return  # a filesystem without fallocate: LMDB makes the file as before
+        raise
+    os.close(fd)
+
+
+def release_dead_pages(env: lmdb.Environment, path: Path) -> None:
+    """Cut a tail file back to the pages its last committed transaction uses: a commit that
+    failed (a full disk) leaves pages written past them, which nothing will ever read. Safe
+    for readers: no snapshot uses a page past the newest meta's last page."""
+    used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    try:
+        if os.stat(path, follow_symlinks=False).st_size > used:
+            os.truncate(path, used)
+    except OSError:
+        pass  # only space is at stake
+
+
 def _open_tail(path: str, shard_size: int, create: bool) -> lmdb.Environment:
     """A tail env takes part in LMDB's reader table, so the writer never reuses pages a
     reader may still be reading; same flags for every user so one env serves all."""
     map_size = tail_map_size(shard_size)
+    if create:
+        _preallocate_lock(path)
     try:
         return lmdb.open(path, subdir=False, map_size=map_size, max_readers=MAX_READERS, max_dbs=0, sync=True,
                          metasync=True, meminit=False, readahead=True, lock=True, create=create,

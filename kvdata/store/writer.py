@@ -48,7 +48,7 @@ from . import index as ix
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .reader import Reader
-from .shards import ENVS, Hasher, is_tail_link, open_tail_for_write, seal, truncate_tail
+from .shards import ENVS, Hasher, is_tail_link, open_tail_for_write, release_dead_pages, seal, truncate_tail
 
 log = logging.getLogger("kvdata")
 
@@ -109,6 +109,7 @@ class Writer:
             raise
         self._retired: Manifest | None = None  # the generation a "w" rewrite replaced: its files may go
         self._written: set[str] = set()  # shard-dir files this writer created: recovery may remove them
+        self._writing_generation: int | None = None  # index files of this generation are ours (a commit in flight)
         self._created = False  # True: this writer made the dataset, so a failed first write removes it
         # "w": the dataset is written whole, so close() seals its tail (sealing is a hard link, not
         # a copy) and it is read right away by memory map, not LMDB -- unless the whole dataset
@@ -180,6 +181,11 @@ class Writer:
         try:
             self.env = open_tail_for_write(tail_path, self.shard_size)
             truncate_tail(self.env, m.tail.records)
+            release_dead_pages(self.env, tail_path)
+        except OSError as e:
+            if _disk_full(e):
+                raise CommitError(_full_at_open(self.root, e)) from None
+            raise
         except lmdb.Error as e:
             if _disk_full(e):
                 raise CommitError(_full_at_open(self.root, e)) from None
@@ -228,6 +234,8 @@ class Writer:
                 continue
             if names.is_index_name(p.name) and _generation_of(p.name) <= m.generation:
                 unlink_quiet(p)  # an older generation's index file (derived state)
+            elif names.is_index_name(p.name) and _generation_of(p.name) == self._writing_generation:
+                unlink_quiet(p)  # written by this writer's commit that failed
             else:
                 aside.append(p)
         if aside:
@@ -524,6 +532,7 @@ class Writer:
         m = self.m
         p = self.pending
         gen = m.generation + 1
+        self._writing_generation = gen
         index_dir = self.root / names.INDEX_DIR
         idx = self._committed().gen.index
         old = m.index

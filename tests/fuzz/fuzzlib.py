@@ -408,7 +408,7 @@ def build_dataset(root: Path) -> list[str]:
         return {"image": np.arange(60, dtype=np.uint8).reshape(6, 10) + i, "label": i, "name": f"n{i}",
                 "f": 1.5, "b": b"xy", "ok": True, "z": None, "u": 1 << 63, "v": np.arange(3, dtype="<f4")}
 
-    with kvdata.open(root, "a", shard_size="64KB") as s:
+    with kvdata.open(root, "a", shard_size="64KB", compress=True) as s:
         for i in range(6):
             s.put(f"k{i}", val(i), label=i)
         s.seal()

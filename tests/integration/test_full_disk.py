@@ -283,13 +283,8 @@ def test_cli_put_on_a_full_disk_prints_one_line(tmpfs: Tmpfs, cli: Cli, tmp_path
     assert verify(path)["ok"]
 
 
-# ------------------------------------------------------------------ known bugs (strict xfail: fix, then unmark)
+# ------------------------------------------------------------------ bugs these tests found (fixed)
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvdata bug: a commit that fails after writing its new index files (the disk fills at the index or the "
-    "manifest) leaves them behind; recovery (Writer._tidy, kvdata/store/writer.py) does not know the writer "
-    "made them (Writer._written holds shard files only), so it moves them to lost+found/ with a warning, "
-    "which the CLI prints as a second line before its error"))
 def test_a_failed_commit_leaves_nothing_in_lost_found(tmpfs: Tmpfs, tmp_path: Path, cli: Cli,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     src, records = template(tmp_path)
@@ -311,11 +306,6 @@ def test_a_failed_commit_leaves_nothing_in_lost_found(tmpfs: Tmpfs, tmp_path: Pa
         assert r.rc == 0 or (len(r.err.splitlines()) == 1 and r.err.startswith(ERROR_PREFIX)), str(r)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvdata bug: a commit that fails because the disk filled keeps the space it took: LMDB wrote the "
-    "transaction's pages past the committed end of the tail file, and recovery (Writer._recover in "
-    "kvdata/store/writer.py, shards.truncate_tail) cuts the records back but never the file, so the dataset "
-    "holds the rest of the disk in dead pages (4 MB of them after one failed 5 MB put on a 4 MB tmpfs)"))
 def test_a_failed_commit_gives_its_space_back(tmpfs: Tmpfs) -> None:
     path = tmpfs.mnt / "ds"
     with kvdata.open(path, "a") as s:
@@ -329,12 +319,6 @@ def test_a_failed_commit_gives_its_space_back(tmpfs: Tmpfs) -> None:
     assert tmpfs.free() >= before - (64 << 10), f"{before - tmpfs.free()} bytes still taken; {tail.stat().st_size=}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvdata bug: creating a dataset with 2 blocks (8 KiB) free kills the writer with SIGBUS (so does a seal in an "
-    "existing dataset that leaves about that much): lmdb.open of the new tail (kvdata/store/shards.py "
-    "_open_tail, from Writer._recover or Writer._seal) makes its sparse -lock file and LMDB writes its reader "
-    "table through mmap, which a full filesystem answers with SIGBUS instead of ENOSPC (preallocating the "
-    "lock file, e.g. os.posix_fallocate, before lmdb.open would turn it into an error)"))
 def test_a_new_dataset_on_a_nearly_full_disk_never_kills_the_writer(tmpfs: Tmpfs, tmp_path: Path) -> None:
     script = ("import sys, kvdata\n"
               "from kvdata.errors import KVDataError\n"
