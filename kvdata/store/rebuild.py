@@ -20,8 +20,8 @@ from .. import format as fmt
 from .._util.fsutil import atomic_write, fsync_dir, unlink_quiet
 from .._util.progress import progress as make_progress
 from ..errors import CorruptDatasetError, NotADatasetError
-from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, ZstCopy, names
-from ..format.codec import file_sha256
+from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, names
+from ..format.codec import file_sha256, zst_copy_of
 from . import index as ix
 from .generation import read_manifest
 from .lock import WriterLock
@@ -193,16 +193,13 @@ def _entry_from_disk(shards_dir: Path, shard_id: int, incarnation: int) -> Shard
     finally:
         ENVS.release(env)
     zst = path.with_name(names.zst_name(path.name))
-    copy = None
-    if zst.exists():
-        zsize, zsha = file_sha256(zst)
-        copy = ZstCopy(zst.name, zsize, zsha)
+    copy = zst_copy_of(zst) if zst.exists() else None  # with its seek table, if it has one
     return ShardEntry(shard_id, path.name, n, size, sha, copy)
 
 
 def _max_generation(root: Path) -> int:
     """Highest generation named by leftover index files, so generations never go back."""
-    gens = [int(m.group(1)) for p in (root / names.INDEX_DIR).glob("*.bin") if (m := re.search(r"-(\d{8})", p.name))]
+    gens = [int(m.group(1)) for p in (root / names.INDEX_DIR).glob("*.bin") if (m := re.search(r"-([0-9]{8})", p.name))]
     return max(gens, default=0)
 
 
