@@ -267,8 +267,8 @@ def test_a_reader_holding_the_whole_tier_reads_around_it(src: Src, s3_server: S3
         assert status["errors"] == [], status
         if kind == "local":
             assert status["home_reads"] > 0 and status["private_copies"] == 0, status
-        else:
-            assert status["private_copies"] > 0, status
+        else:  # not staged over budget: read into a private copy, or record by record (random mode)
+            assert status["private_copies"] > 0 or status["datasets"][0]["mode"] == "random", status
 
 
 # ------------------------------------------------------------------ (2) temp files of killed stagers
