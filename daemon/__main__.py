@@ -97,15 +97,17 @@ class Daemon:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self.stop_event = asyncio.Event()
+        # handlers first: a client may connect (and a supervisor send SIGTERM) the moment the
+        # socket listens, before the watcher has started
+        loop.add_signal_handler(signal.SIGTERM, self.stop_event.set)
+        loop.add_signal_handler(signal.SIGINT, self.stop_event.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.run_in_executor(None, self._safe_reload))
         await self.server.start()
         if self.metrics is not None:
             self.metrics.start()
         self.watcher = Watcher(loop, self.config_path, self._on_config_change, self._on_dataset_change,
                                self.service)
         self.watcher.start()
-        loop.add_signal_handler(signal.SIGTERM, self.stop_event.set)
-        loop.add_signal_handler(signal.SIGINT, self.stop_event.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.run_in_executor(None, self._safe_reload))
         sd_notify(f"READY=1\nSTATUS=listening on {self.sock}\nMAINPID={os.getpid()}")
         pinger = asyncio.create_task(self._watchdog_pings())
         await self.stop_event.wait()
