@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import format as fmt
 from .._util.libc import pages_resident
-from ..errors import CorruptDatasetError, InvalidKeyError, InvalidValueError, MissingShardError
+from ..errors import CorruptDatasetError, InvalidKeyError, InvalidValueError, KVDataError, MissingShardError
 from ..format import ShardEntry, names
 from .generation import Generation, read_manifest
 from .shards import ENVS, SealedShard, check_lmdb_file, open_tail_for_read
@@ -337,19 +337,41 @@ class Reader:
         """Copies of tail records (LMDB buffers die with their transaction)."""
         env = self._open_tail()
         if env is None:  # the tail was sealed since we loaded: same slots, now a sealed file
-            h = self._sealed_former_tail()
-            return [_lmdb_value(h, s) for s in slots]
+            return self._former_tail_values(slots)
         out = []
         try:
             with ENVS.read(env) as txn:
                 for s in slots:
                     v = txn.get(fmt.slot_key(s))
                     if v is None:
-                        raise CorruptDatasetError(f"{self.root}: tail record {s} is missing; run `kvdata verify`")
+                        break
                     out.append(v)
         except lmdb.Error as e:
             raise _lmdb_error(self.gen.tail_path, e) from None
+        if len(out) < len(slots):
+            if self._tail_moved_on():  # sealed or rewritten while we read: the sealed file, or a clear error
+                return self._former_tail_values(slots)
+            raise CorruptDatasetError(f"{self.root}: tail record {slots[len(out)]} is missing; run `kvdata verify`")
         return out
+
+    def _tail_moved_on(self) -> bool:
+        try:
+            current = read_manifest(self.root)
+        except KVDataError:
+            return False
+        mine = self.gen.manifest
+        return current.incarnation != mine.incarnation or current.tail.id != mine.tail.id
+
+    def _former_tail_values(self, slots: list[int]) -> list[bytes]:
+        """Our tail's records from the shard it was sealed into (same incarnation only)."""
+        h = self._sealed_former_tail()
+        try:
+            return [_lmdb_value(h, s) for s in slots]
+        except CorruptDatasetError:
+            if read_manifest(self.root).incarnation != self.gen.manifest.incarnation:
+                raise MissingShardError(f"{self.root} was written again (mode \"w\") since this reader opened it; "
+                                        "open the dataset again") from None
+            raise
 
     def _open_tail(self) -> Any:
         if self._tail_env is None:
@@ -473,3 +495,5 @@ def _lmdb_value(h: SealedShard, slot: int) -> bytes:
         return h.lmdb_value(slot)
     except lmdb.Error as e:
         raise _lmdb_error(h.path, e) from None
+    except FileNotFoundError:  # removed since it was mapped (LMDB opens it again by name)
+        raise MissingShardError(f"shard {h.path} is gone since it was mapped; open the dataset again") from None
