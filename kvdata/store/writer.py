@@ -18,6 +18,7 @@ The writer reads the committed generation only through its Reader's public metho
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -222,6 +223,8 @@ class Writer:
             tail = names.parse_tail_name(base)
             if p.name.endswith(".tmp") or p.name in retired_files or p.name in self._written:
                 unlink_quiet(p)  # a seal's temp file; a file of the generation "w" replaced; our own
+            elif p.name.endswith("-lock") and not os.path.lexists(self.shards_dir / base):
+                unlink_quiet(p)  # an LMDB lock file (a reader table, no data) of a file that is gone
             elif tail is not None and tail[1] == m.incarnation and tail[0] < m.tail.id:
                 unlink_quiet(p)  # a tail already sealed into a committed shard
             elif is_tail_link(self.shards_dir, p.name, m.tail.name):
@@ -244,11 +247,20 @@ class Writer:
     def _move_aside(self, paths: list[Path]) -> None:
         dest = self.root / LOST_FOUND / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         dest.mkdir(parents=True, exist_ok=True)
+        moved = []
         for p in paths:
-            os.replace(p, dest / f"{p.parent.name}-{p.name}")
+            try:
+                os.replace(p, dest / f"{p.parent.name}-{p.name}")
+                moved.append(p.name)
+            except FileNotFoundError:
+                pass  # gone meanwhile (a reader removing the lock file it made for a sealed tail)
+        if not moved:
+            with contextlib.suppress(OSError):
+                dest.rmdir()
+            return
         fsync_dir(dest)
         log.warning("kvdata: %s: moved %d file(s) the manifest does not name to %s (%s); delete them once you "
-                    "know they are not needed", self.root, len(paths), dest, ", ".join(sorted(p.name for p in paths)))
+                    "know they are not needed", self.root, len(moved), dest, ", ".join(sorted(moved)))
 
     def _publish(self, gen: Generation) -> None:
         """Readers in this process see `gen` from now on."""
