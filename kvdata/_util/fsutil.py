@@ -5,7 +5,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
+
+from ..errors import KVDataError
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -86,3 +89,17 @@ def is_regular(path: str | os.PathLike[str]) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+def create_exclusive(candidates: Iterable[Path], what: str) -> tuple[int, Path]:
+    """A new, empty file under the first candidate name that does not exist, opened for
+    writing: O_CREAT|O_EXCL|O_NOFOLLOW (never an existing file, never through a symlink
+    planted there) and mode 0666 less the umask, like any new file. Callers pass random temp
+    names (format.names.temp_name), so a name taken by anyone else is skipped, never used."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for tmp in candidates:
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise KVDataError(f"cannot create a temp file beside {what}: every name tried exists")

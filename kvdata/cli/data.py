@@ -119,20 +119,14 @@ def _write_output(out: Path, data: memoryview) -> None:
     attempt fail and is left untouched; nothing is written through it. OUT itself is
     replaced by rename: if OUT is a symlink, the link is replaced by a regular file and
     its target is never written (like `mv`, unlike shell redirection)."""
+    from .._util.fsutil import create_exclusive
     from ..format import names
 
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _attempt in range(16):
-        tmp = out.with_name(names.temp_name(out.name, secrets.token_hex(8)))
-        try:
-            fd = os.open(tmp, flags, 0o666)
-            break
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise KVDataError(f"cannot write {out}: {e.strerror or e}") from None
-    else:
-        raise KVDataError(f"cannot create a temp file beside {out}: every name tried exists")
+    try:
+        fd, tmp = create_exclusive((out.with_name(names.temp_name(out.name, secrets.token_hex(8))) for _ in range(16)),
+                                   str(out))
+    except OSError as e:
+        raise KVDataError(f"cannot write {out}: {e.strerror or e}") from None
     try:
         with open(fd, "wb", closefd=True) as f:
             f.write(data)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .._util.digest import is_sha256
-from .._util.fsutil import fsync_dir, read_regular, unlink_quiet
+from .._util.fsutil import create_exclusive, fsync_dir, read_regular, unlink_quiet
 from ..errors import ChecksumMismatchError, KVDataError, NotADatasetError, ReadOnlyError, RemoteError
 from ..format import names
 from ..format.codec import CHUNK, file_sha256
@@ -210,17 +210,9 @@ class LocalHome(Home):
 
 
 def _create_temp(dest: Path) -> tuple[int, Path]:
-    """A new, empty file under a random hidden temp name beside `dest`, opened for writing:
-    O_CREAT|O_EXCL (never an existing file, never through a symlink) and mode 0666 less the
-    umask, like any new file."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _attempt in range(16):
-        tmp = dest.with_name(names.temp_name(dest.name, secrets.token_hex(8)))
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise KVDataError(f"cannot create a temp file beside {dest}: every name tried exists")
+    """A new, empty file under a random hidden temp name beside `dest` (fsutil.create_exclusive)."""
+    names_tried = (dest.with_name(names.temp_name(dest.name, secrets.token_hex(8))) for _ in range(16))
+    return create_exclusive(names_tried, str(dest))
 
 
 def _recorded_sha256(fd: int, st: os.stat_result) -> str | None:
