@@ -18,13 +18,10 @@ The writer reads the committed generation only through its Reader's public metho
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
-import logging
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,15 +46,13 @@ from . import index as ix
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .reader import Reader
-from .shards import ENVS, Hasher, is_tail_link, open_tail_for_write, release_dead_pages, seal, truncate_tail
-
-log = logging.getLogger("kvdata")
+from .recovery import LeftBehind, holds_data, tidy
+from .shards import ENVS, Hasher, open_tail_for_write, release_dead_pages, seal, truncate_tail
 
 LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
 RECORD_OVERHEAD = 64       # LMDB's per-record bytes beyond the value, for sealing decisions
 DEFAULT_SHARD_SIZE = 256_000_000
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
-LOST_FOUND = "lost+found"  # where recovery moves files it cannot account for
 SEAL_ON_CLOSE_MIN = 64 << 10  # a "w" writer's close seals the tail unless the whole dataset is smaller
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -126,7 +121,7 @@ class Writer:
             (root / names.SHARDS_DIR).mkdir(exist_ok=True)
             (root / names.INDEX_DIR).mkdir(exist_ok=True)
             requested = None if shard_size is None else parse_size(shard_size, "shard_size")
-            if not reset and not (root / names.MANIFEST).exists() and _holds_data(root):
+            if not reset and not (root / names.MANIFEST).exists() and holds_data(root):
                 raise CorruptDatasetError(f"{root / names.MANIFEST} is missing but the dataset has shards; "
                                           f"run `kvdata reindex {root}` to rebuild it before writing")
             if reset or not (root / names.MANIFEST).exists():
@@ -206,61 +201,7 @@ class Writer:
 
     def _tidy(self, m: Manifest) -> None:
         """Remove leftovers recovery can account for; move anything else aside, never delete it."""
-        retired = self._retired
-        retired_files: set[str] = set()
-        if retired is not None and retired.incarnation != m.incarnation:
-            retired_files = {s.name for s in retired.shards} | {s.zst.name for s in retired.shards if s.zst} \
-                | {retired.tail.name, names.lmdb_lock_name(retired.tail.name)}
-        keep = {s.name for s in m.shards} | {s.zst.name for s in m.shards if s.zst} \
-            | {m.tail.name, names.lmdb_lock_name(m.tail.name)}
-        aside: list[Path] = []
-        for p in self.root.glob(names.MANIFEST + ".tmp*"):  # a writer killed while replacing the manifest
-            unlink_quiet(p)
-        for p in self.shards_dir.iterdir():
-            if p.name in keep:
-                continue
-            base = p.name[:-len("-lock")] if p.name.endswith("-lock") else p.name
-            tail = names.parse_tail_name(base)
-            if p.name.endswith(".tmp") or p.name in retired_files or p.name in self._written:
-                unlink_quiet(p)  # a seal's temp file; a file of the generation "w" replaced; our own
-            elif p.name.endswith("-lock") and not os.path.lexists(self.shards_dir / base):
-                unlink_quiet(p)  # an LMDB lock file (a reader table, no data) of a file that is gone
-            elif tail is not None and tail[1] == m.incarnation and tail[0] < m.tail.id:
-                unlink_quiet(p)  # a tail already sealed into a committed shard
-            elif is_tail_link(self.shards_dir, p.name, m.tail.name):
-                unlink_quiet(p)  # the committed tail's own file under its sealed name: a seal never committed
-            else:
-                aside.append(p)
-        keep_index = {n for n in (m.index.samples, m.index.records) if n} | {r.name for r in m.index.keys}
-        for p in (self.root / names.INDEX_DIR).iterdir():
-            if p.name in keep_index:
-                continue
-            if names.is_index_name(p.name) and _generation_of(p.name) <= m.generation:
-                unlink_quiet(p)  # an older generation's index file (derived state)
-            elif names.is_index_name(p.name) and _generation_of(p.name) == self._writing_generation:
-                unlink_quiet(p)  # written by this writer's commit that failed
-            else:
-                aside.append(p)
-        if aside:
-            self._move_aside(aside)
-
-    def _move_aside(self, paths: list[Path]) -> None:
-        dest = self.root / LOST_FOUND / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        dest.mkdir(parents=True, exist_ok=True)
-        moved = []
-        for p in paths:
-            try:
-                os.replace(p, dest / f"{p.parent.name}-{p.name}")
-                moved.append(p.name)
-            except FileNotFoundError:
-                pass  # gone meanwhile (a reader removing the lock file it made for a sealed tail)
-        if not moved:
-            with contextlib.suppress(OSError):
-                dest.rmdir()
-            return
-        fsync_dir(dest)
-        log.warning("kvdata: %s: moved %d file(s) the manifest does not name to %s (%s); delete them once you "
-                    "know they are not needed", self.root, len(moved), dest, ", ".join(sorted(moved)))
+        tidy(self.root, m, LeftBehind(self._retired, frozenset(self._written), self._writing_generation))
 
     def _publish(self, gen: Generation) -> None:
         """Readers in this process see `gen` from now on."""
@@ -636,18 +577,3 @@ def _full_at_open(root: Path, e: BaseException) -> str:
     reason = getattr(e, "strerror", None) or str(e)
     return (f"{root}: cannot open it for writing, the disk is full ({reason}); nothing was committed; "
             "free space on its filesystem and try again")
-
-
-def _holds_data(root: Path) -> bool:
-    """Whether a dataset directory has shard or index files (then a missing manifest is damage)."""
-    for sub in (names.SHARDS_DIR, names.INDEX_DIR):
-        try:
-            if any(True for _ in (root / sub).iterdir()):
-                return True
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-    return False
-
-
-def _generation_of(index_name: str) -> int:
-    return int(index_name.split("-")[1].split(".")[0])

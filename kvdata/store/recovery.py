@@ -1,0 +1,111 @@
+"""Recovery's tidy-up: what a writer may remove from a dataset directory, and where the rest goes.
+
+Recovery never deletes what it cannot account for. It removes only leftovers it can name the
+origin of -- temp files, tails already sealed into a committed shard, index files of older
+generations, lock files of LMDB files that are gone, the files of the incarnation a "w"
+rewrite replaced, and files this writer itself made since its last commit -- and moves every
+other file the manifest does not name into `lost+found/<time>-<pid>/`, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._util.fsutil import fsync_dir, unlink_quiet
+from ..format import Manifest, names
+from .shards import is_tail_link
+
+log = logging.getLogger("kvdata")
+
+LOST_FOUND = "lost+found"  # where recovery moves files it cannot account for
+
+
+@dataclass(frozen=True)
+class LeftBehind:
+    """What the writer running recovery knows it made or replaced."""
+
+    retired: Manifest | None         # the generation a "w" rewrite replaced: its files may go
+    written: frozenset[str]          # shard-dir files this writer created since its last commit
+    writing_generation: int | None   # index files of this generation are its failed commit's
+
+
+def tidy(root: Path, m: Manifest, left: LeftBehind) -> None:
+    """Bring the dataset directory to exactly the files `m` names (see the module docstring)."""
+    shards_dir = root / names.SHARDS_DIR
+    retired = left.retired
+    retired_files: set[str] = set()
+    if retired is not None and retired.incarnation != m.incarnation:
+        retired_files = {s.name for s in retired.shards} | {s.zst.name for s in retired.shards if s.zst} \
+            | {retired.tail.name, names.lmdb_lock_name(retired.tail.name)}
+    keep = {s.name for s in m.shards} | {s.zst.name for s in m.shards if s.zst} \
+        | {m.tail.name, names.lmdb_lock_name(m.tail.name)}
+    aside: list[Path] = []
+    for p in root.glob(names.MANIFEST + ".tmp*"):  # a writer killed while replacing the manifest
+        unlink_quiet(p)
+    for p in shards_dir.iterdir():
+        if p.name in keep:
+            continue
+        base = p.name[:-len("-lock")] if p.name.endswith("-lock") else p.name
+        tail = names.parse_tail_name(base)
+        if p.name.endswith(".tmp") or p.name in retired_files or p.name in left.written:
+            unlink_quiet(p)  # a seal's temp file; a file of the generation "w" replaced; our own
+        elif p.name.endswith("-lock") and not os.path.lexists(shards_dir / base):
+            unlink_quiet(p)  # an LMDB lock file (a reader table, no data) of a file that is gone
+        elif tail is not None and tail[1] == m.incarnation and tail[0] < m.tail.id:
+            unlink_quiet(p)  # a tail already sealed into a committed shard
+        elif is_tail_link(shards_dir, p.name, m.tail.name):
+            unlink_quiet(p)  # the committed tail's own file under its sealed name: a seal never committed
+        else:
+            aside.append(p)
+    keep_index = {n for n in (m.index.samples, m.index.records) if n} | {r.name for r in m.index.keys}
+    for p in (root / names.INDEX_DIR).iterdir():
+        if p.name in keep_index:
+            continue
+        if names.is_index_name(p.name) and _generation_of(p.name) <= m.generation:
+            unlink_quiet(p)  # an older generation's index file (derived state)
+        elif names.is_index_name(p.name) and _generation_of(p.name) == left.writing_generation:
+            unlink_quiet(p)  # written by this writer's commit that failed
+        else:
+            aside.append(p)
+    if aside:
+        move_aside(root, aside)
+
+
+def move_aside(root: Path, paths: list[Path]) -> None:
+    """Move files into a new `lost+found/<time>-<pid>/` of the dataset, and say so."""
+    dest = root / LOST_FOUND / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    dest.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for p in paths:
+        try:
+            os.replace(p, dest / f"{p.parent.name}-{p.name}")
+            moved.append(p.name)
+        except FileNotFoundError:
+            pass  # gone meanwhile (a reader removing the lock file it made for a sealed tail)
+    if not moved:
+        with contextlib.suppress(OSError):
+            dest.rmdir()
+        return
+    fsync_dir(dest)
+    log.warning("kvdata: %s: moved %d file(s) the manifest does not name to %s (%s); delete them once you "
+                "know they are not needed", root, len(moved), dest, ", ".join(sorted(moved)))
+
+
+def holds_data(root: Path) -> bool:
+    """Whether a dataset directory has shard or index files (then a missing manifest is damage)."""
+    for sub in (names.SHARDS_DIR, names.INDEX_DIR):
+        try:
+            if any(True for _ in (root / sub).iterdir()):
+                return True
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return False
+
+
+def _generation_of(index_name: str) -> int:
+    return int(index_name.split("-")[1].split(".")[0])
