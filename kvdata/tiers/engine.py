@@ -147,7 +147,7 @@ class Engine:
         self._closed = False
         self._abort = threading.Event()
         self._fetcher = Fetcher(self._parts, part_size, parts_in_flight, self._abort,
-                                lambda n: self._count("bytes_from_home", n), verify_content)
+                                lambda n: self.count("bytes_from_home", n), verify_content)
         self._plan_event = threading.Event()
         self._planner: threading.Thread | None = None
         self._planner_pid = -1
@@ -189,20 +189,20 @@ class Engine:
         # when a copy lies there (left by a shard-aware phase): mapping it would keep it from eviction
         p = next((t.path(sha) for t in tiers if t.has(sha)), None)
         if p is not None:
-            self._count("hits", 1)
+            self.count("hits", 1)
             return p, True
         local = home.local_path(f"shards/{entry.name}")
         if local is not None and not self.config.stage_local and local.exists():
-            self._count("home_reads", 1)
+            self.count("home_reads", 1)
             self._fetched(entry)
             return local, False
-        self._count("misses", 1)
+        self.count("misses", 1)
         t0 = time.monotonic()
         try:
             if not tiers:  # random order, not in a resident set: served, never kept
-                self._count("random_misses", 1)
+                self.count("random_misses", 1)
                 if local is not None and local.exists():  # a local (or NFS) home: read in place
-                    self._count("home_reads", 1)
+                    self.count("home_reads", 1)
                     self._fetched(entry)
                     return local, False
                 return self._private_copy(home, entry), False
@@ -210,7 +210,7 @@ class Engine:
                 self._pinned[sha] = time.monotonic() + PIN_SECONDS
             return self._stage_now(home, entry, tiers)
         finally:
-            self._count("stall_seconds", time.monotonic() - t0)
+            self.count("stall_seconds", time.monotonic() - t0)
 
     def start_many(self, home: Home, entries: list[ShardEntry]) -> None:
         """A batch needs these shards now: start staging every one that is not anywhere yet,
@@ -252,7 +252,7 @@ class Engine:
                 last = e
         local = home.local_path(f"shards/{entry.name}")
         if local is not None and local.exists():  # no tier can hold it: read the home in place
-            self._count("home_reads", 1)
+            self.count("home_reads", 1)
             self._fetched(entry)
             return local, False
         if full:
@@ -499,7 +499,7 @@ class Engine:
         except BaseException:
             os.close(fd)
             raise
-        self._count("private_copies", 1)
+        self.count("private_copies", 1)
         self._fetched(entry)
         return OpenedCopy(fd, f"{home.where(f'shards/{entry.name}')} (a private copy in memory: no tier had room)")
 
@@ -507,7 +507,7 @@ class Engine:
         """Copies another process staged get a short grace (its reader may be about to map them)."""
         return 0.0 if sha in self._own else EVICT_GRACE
 
-    def _count(self, name: str, amount: float) -> None:
+    def count(self, name: str, amount: float) -> None:
         """Counters are bumped from several staging threads: `+=` on them is not atomic."""
         with self._stats_lock:
             setattr(self.stats, name, getattr(self.stats, name) + amount)
@@ -595,8 +595,8 @@ class Engine:
             except BaseException:
                 res.discard()
                 raise
-        self._count("shards_staged", 1)
-        self._count("bytes_staged", size)
+        self.count("shards_staged", 1)
+        self.count("bytes_staged", size)
         self._fetched(entry)
         with self._lock:
             self._own.add(sha)
@@ -643,7 +643,7 @@ class Engine:
                 break
             why = tier.evict_one(victim, grace=self._grace(victim))
             if why == "gone":
-                self._count("evictions", 1)
+                self.count("evictions", 1)
                 used -= resident[victim]
             elif why == "recent":
                 soon = True
@@ -767,7 +767,7 @@ class Engine:
             for e in entries:
                 if t.has(e.sha256) and t.try_evict(e.sha256, grace=0):
                     n += 1
-                    self._count("evictions", 1)
+                    self.count("evictions", 1)
         return n
 
     def status(self) -> dict[str, Any]:

@@ -45,6 +45,9 @@ class Home:
     url: str
     writable = False
     trusted_manifest = True   # its manifest binds compressed copies to content hashes (see PassedFiles)
+    #: the tiers.records.RecordReader of this home, made on its first record read and kept with
+    #: it, so every source reading this home in the process shares its verified seek tables
+    record_reader: Any = None
 
     def local_path(self, name: str) -> Path | None:
         """A path that can be read in place, or None for remote homes."""

@@ -281,8 +281,7 @@ def reader_for(home: Home, on_home_bytes: Callable[[int], None] | None = None) -
     """The RecordReader of a home (one per Home object, kept on it, so its seek tables are
     shared by every source reading that home in this process and go with it)."""
     with _READERS_LOCK:
-        r = getattr(home, "_record_reader", None)
+        r = home.record_reader
         if not isinstance(r, RecordReader):
-            r = RecordReader(home, on_home_bytes=on_home_bytes)
-            home._record_reader = r  # type: ignore[attr-defined]
+            r = home.record_reader = RecordReader(home, on_home_bytes=on_home_bytes)
         return r

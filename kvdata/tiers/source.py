@@ -53,7 +53,7 @@ class EngineSource:
         from .records import reader_for
 
         engine = self.engine
-        return reader_for(self._home, lambda n: engine._count("bytes_from_home", n)).read(entry, slots)
+        return reader_for(self._home, lambda n: engine.count("bytes_from_home", n)).read(entry, slots)
 
     def need(self, entries: Sequence[ShardEntry]) -> None:
         self.engine.start_many(self._home, list(entries))
