@@ -389,8 +389,9 @@ def test_reader_keeps_reading_when_the_daemon_is_killed(kit: Kit) -> None:
 
 
 def test_sigterm_during_staging_exits_0_and_leaves_no_partials(kit: Kit) -> None:
-    # many small shards: per-copy fsyncs make staging take a while
-    home = build_dataset(kit.root / "many", n=120, shard_size="32KB", noise=30_000, compress=False)
+    # many small shards: per-copy fsyncs make staging take a while (600: 120 were all staged
+    # within one 50 ms status poll on a fast run)
+    home = build_dataset(kit.root / "many", n=600, shard_size="32KB", noise=30_000, compress=False)
     shas = {e["sha256"] for e in manifest(home)["shards"]}
     d = kit.daemon()
     waiter_result: list[object] = []
@@ -404,7 +405,8 @@ def test_sigterm_during_staging_exits_0_and_leaves_no_partials(kit: Kit) -> None
 
     waiter = threading.Thread(target=wait_stage, daemon=True)
     waiter.start()
-    wait_for(lambda: d.status()["in_flight"] > 0 or d.tier("ram")["shards"] == len(shas), 10, "staging started")
+    wait_for(lambda: d.status()["in_flight"] > 0 or d.tier("ram")["shards"] == len(shas), 10, "staging started",
+             interval=0.005)
     assert d.terminate(timeout=10) == 0, d.log_text()
     waiter.join(15)
     assert not waiter.is_alive() and waiter_result, "a client waiting for staging is answered or disconnected"
