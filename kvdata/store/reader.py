@@ -421,6 +421,32 @@ class Reader:
 
     # ------------------------------------------------------------ metadata without payloads
 
+    def _remote_metas(self, shard: np.ndarray, slot: np.ndarray, rec: np.ndarray, out: list[Any]) -> None:
+        """Headers of sealed records in shards the source does not want whole (a key lookup in
+        random mode), read record by record instead of staging the shard; fills `out`."""
+        source = self.source
+        if source is None:
+            return
+        groups: dict[int, list[int]] = {}
+        for j, (s, r) in enumerate(zip(shard.tolist(), rec.tolist())):
+            if r >= 0 and self._handles[s] is None:
+                groups.setdefault(s, []).append(j)
+        for s, js in groups.items():
+            entry = self.gen.shards[s]
+            if source.wants_whole(entry):
+                continue
+            values = source.read_records(entry, [int(slot[j]) for j in js])
+            if values is None:
+                continue
+            if len(values) != len(js):
+                raise CorruptDatasetError(f"shard {entry.name}: {len(values)} records came back for {len(js)} slots")
+            for j, v in zip(js, values):
+                try:
+                    hd = fmt.RecordHeader(v)
+                    out[j] = (hd.kind, hd.meta(v))
+                except CorruptDatasetError as e:
+                    raise CorruptDatasetError(f"shard {entry.name} from {source.home.url}, slot {int(slot[j])}: {e}") from None
+
     def metas(self, positions: Any) -> list[tuple[int, dict[str, Any]]]:
         """(kind, meta) of the records at sample positions: keys and labels without payloads."""
         pos = self.positions(positions)
@@ -430,9 +456,12 @@ class Reader:
         tail_at: list[int] = []
         offs = np.zeros(len(pos), np.uint64)
         offs[rec >= 0] = index.records["offset"][rec[rec >= 0]]
+        self._remote_metas(shard, slot, rec, out)
         for j, (s, r, off) in enumerate(zip(shard.tolist(), rec.tolist(), offs.tolist())):
             if r < 0:
                 tail_at.append(j)
+                continue
+            if out[j] is not None:  # read record by record from the home
                 continue
             h = self._handles[s] or self._handle(s)
             if off == int(fmt.UNKNOWN_OFFSET):

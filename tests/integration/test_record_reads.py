@@ -386,3 +386,20 @@ def test_a_dataset_as_written_and_pushed_is_read_record_by_record(compress: bool
         assert [as_tuple(v) for v in st.get_many(batch)] == [env.ref[i] for i in batch]
         assert counted.bytes < sum(e.bytes for e in st.manifest.shards) / 4
     assert staged_copies(cfg) == []
+
+
+def test_key_lookups_read_record_by_record_too(env: Env, tmp_path: Path, record_mode: None) -> None:
+    """`store[key]`, `find` and `key_at` read the records' headers from the home instead of
+    staging whole shards (they used to map every shard a lookup touched)."""
+    url = env.publish("s3")
+    st, cfg = open_remote(url, tmp_path)
+    with kvdata.open(env.src) as local:
+        keys = [local.key_at(i) for i in (0, len(local) // 2, len(local) - 1)]
+        want = {k: as_tuple(local[k]) for k in keys}
+    with st:
+        for k in keys:
+            i = st.find(k)
+            assert i is not None and st.key_at(i) == k
+            assert as_tuple(st[k]) == want[k]
+        assert st.find("no-such-key") is None
+    assert staged_copies(cfg) == []
