@@ -112,6 +112,28 @@ def netlab_missing() -> str | None:
     return None
 
 
+def random_order_missing() -> str | None:
+    """Why bench/random_order.py cannot run here: as netlab_missing, but iperf3 and uvloop are
+    optional for it (it measures no iperf3 rates; the delay proxy falls back to asyncio)."""
+    if not NETLAB_SH.exists():
+        return f"netlab not available ({NETLAB_SH} not found)"
+    if os.geteuid() != 0:
+        return "netlab needs root (network namespaces and tc)"
+    tools = [t for t in ("ip", "tc", "nginx") if shutil.which(t) is None]
+    if tools:
+        return f"netlab needs {', '.join(tools)} on PATH"
+    if _missing("boto3"):
+        return "boto3 not installed (pip install -e '.[s3]')"
+    py = os.environ.get("NETLAB_PY") or sys.executable
+    try:
+        r = subprocess.run([py, "-c", "import moto.server"], capture_output=True, timeout=60, check=False)
+        if r.returncode != 0:
+            return f"NETLAB_PY={py} cannot import moto.server (pip install 'moto[server]')"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"NETLAB_PY={py} does not run ({e})"
+    return None
+
+
 def store_read_notes() -> list[str]:
     notes = []
     if not can_drop_caches():
@@ -136,6 +158,7 @@ class Bench:
     requires: Callable[[], str | None] = lambda: None
     notes: Callable[[], list[str]] = list
     plot: str | None = None            # plotter name (PLOTTERS), None: no plot
+    full_only: bool = False            # not run by --quick (skipped with the reason)
 
     def argv(self, quick: bool, json_path: Path) -> list[str]:
         """The subprocess's argv (run from the repo root, so paths inside it are repo-relative)."""
@@ -167,6 +190,8 @@ BENCHES: list[Bench] = [
     Bench("staging_network", "staging.py", ["network", "--netlab-up", "--rtt-ms", "10", "--quick"],
           ["network", "--netlab-up", "--rtt-ms", "10,25", "--rate", "1gbit", "--samples", "4000"],
           requires=lambda: _torch() or netlab_missing(), plot="staging_network"),
+    Bench("random_order", "random_order.py", ["--quick"], [], full_only=True,
+          requires=lambda: _torch() or random_order_missing()),
     Bench("daemon", "daemon.py", ["--quick"], [], requires=_daemon_missing, plot="daemon"),
     Bench("shuffle_quality", "shuffle_quality.py", ["--quick"], [], plot="shuffle_quality"),
     Bench("fuzz", "fuzz.py", ["--quick"], [],
@@ -181,7 +206,7 @@ def run_bench(b: Bench, quick: bool, out: Path, timeout: float) -> dict[str, Any
     """Run one bench as a subprocess (its own session, so a timeout reaches everything it started)."""
     js, logf = out / f"{b.name}.json", out / f"{b.name}.log"
     rec: dict[str, Any] = {"name": b.name, "command": b.command(quick), "json": str(js), "log": str(logf)}
-    reason = b.requires()
+    reason = "full only (run by --full, not --quick)" if quick and b.full_only else b.requires()
     if reason:
         rec.update(status="skipped", reason=reason, seconds=0.0, json=None)
         return rec

@@ -1,0 +1,513 @@
+#!/usr/bin/env python
+"""Random-order reads from a far-away S3 home (issue 12, item 5): kvdata vs one GET per sample.
+
+Inside ../shared/netlab (an S3 server behind a 1 Gbit link with 25 ms RTT; needs root), a
+dataset of 151 KB samples (227x227x3 uint8) that is 4x the tier budget is read for 3 epochs by
+`DataLoader(dataset, shuffle=True, num_workers=2, batch_size=32)` through:
+
+  (a) kvdata now: the dataset pushed to the S3 home with `kvdata push`, read with
+      kvdata.Dataset(url) in-process (no kvdatad), one tier with a budget of 25% of the
+      dataset (KVDATA_CONFIG pointing to a temp config and tier directory);
+  (b) kvdata before issue 12 (--before REV, default bab32a3): the same reader run in a
+      subprocess with PYTHONPATH pointing to a `git worktree` of that commit, reading a copy
+      pushed by that commit's own `push`; --no-before skips it;
+  (c) one GET per sample, 32 in flight: every sample its own object in the same S3 server,
+      a Dataset whose __getitems__ fetches the batch with a ThreadPoolExecutor(32) through
+      boto3 (the ConcurrentDataloader technique);
+  (d) litdata and mosaic-streaming: not run (not installed here).
+
+Per epoch: samples/s; bytes that came from the home (the root-side veth's rx_bytes, i.e.
+everything the namespace sent, TCP/IP and HTTP headers included; for (c) also the sum of the
+object sizes), as datasets; and the tier's peak bytes against its budget (a sampler thread
+summing the sizes of the files in the tier directory every 10 ms, plus files under it that a
+reader process still maps after they were unlinked).
+
+  python bench/random_order.py --quick
+  python bench/random_order.py --json bench/out/random_order.json     # 1,200 samples, ~180 MB
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (  # noqa: E402
+    IMG,
+    MB,
+    SHAPE,
+    image_chunks,
+    log,
+    machine_info,
+    machine_line,
+    md_table,
+    write_image_dataset,
+    write_json,
+)
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+NETLAB_SH = REPO.parent / "shared" / "netlab" / "netlab.sh"
+NETLAB_IP = "10.200.0.2"
+VETH = "nlab0"                           # the root-namespace end of the netlab veth pair
+DELAYED = f"http://{NETLAB_IP}:15000"    # S3 with RTT + rate limit
+DIRECT = f"http://{NETLAB_IP}:8081"      # S3 with rate limit only (used to prepare the home)
+BUCKET = "kvrandom"
+
+
+# ====================================================================== helpers
+
+def netlab(cmd: str, *args: str, sh: Path) -> str:
+    env = dict(os.environ)
+    env.setdefault("NETLAB_PY", sys.executable)
+    p = subprocess.run(["bash", str(sh), cmd, *args], env=env, capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError(f"netlab.sh {cmd} {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p.stdout
+
+
+def s3_env(endpoint: str) -> None:
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ.setdefault("KVDATA_S3_ADDRESSING", "path")
+    os.environ.pop("KVDATA_DAEMON", None)
+
+
+def rx_bytes() -> int:
+    """Bytes the root namespace has received from the netlab namespace (the home's sends)."""
+    try:
+        return int(Path(f"/sys/class/net/{VETH}/statistics/rx_bytes").read_text())
+    except OSError:
+        return -1
+
+
+def parse_rate_mbps(rate: str) -> float:
+    r = rate.strip().lower()
+    for unit, mult in (("gbit", 1000.0), ("mbit", 1.0), ("kbit", 0.001)):
+        if r.endswith(unit):
+            return float(r[:-len(unit)]) * mult
+    raise SystemExit(f"--rate {rate}: use e.g. 1gbit or 200mbit")
+
+
+def sample_name(i: int) -> str:
+    return f"{i:08d}.bin"
+
+
+class TierSampler:
+    """Every `period` s: the bytes of the files under `root`, plus files under it that this
+    process or its children still map after they were unlinked (Linux keeps those bytes).
+    Keeps the peak and the last value."""
+
+    def __init__(self, root: Path, period: float = 0.01) -> None:
+        self.root, self.period = str(root), period
+        self.peak = self.peak_files = self.peak_mapped_deleted = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> TierSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def reset(self) -> None:
+        self.peak = self.peak_files = self.peak_mapped_deleted = 0
+
+    def files(self) -> int:
+        total = 0
+        for dirpath, _dirs, names in os.walk(self.root):
+            for n in names:
+                try:
+                    total += os.lstat(os.path.join(dirpath, n)).st_size
+                except OSError:
+                    pass
+        return total
+
+    def _pids(self) -> list[int]:
+        out, todo = [], [os.getpid()]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            try:
+                for t in os.listdir(f"/proc/{p}/task"):
+                    kids = Path(f"/proc/{p}/task/{t}/children").read_text().split()
+                    todo.extend(int(k) for k in kids)
+            except OSError:
+                pass
+        return out
+
+    def mapped_deleted(self) -> int:
+        """Sizes of unlinked files under root that a process of this tree still maps (each once)."""
+        seen: dict[tuple[int, int], int] = {}
+        for p in self._pids():
+            try:
+                lines = Path(f"/proc/{p}/maps").read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                if not line.endswith("(deleted)") or self.root not in line:
+                    continue
+                parts = line.split()
+                try:
+                    st = os.stat(f"/proc/{p}/map_files/{parts[0]}")
+                    seen[(st.st_dev, st.st_ino)] = st.st_size
+                except OSError:
+                    continue
+        return sum(seen.values())
+
+    def _run(self) -> None:
+        k = 0
+        md = 0
+        while not self._stop.is_set():
+            f = self.files()
+            if k % 5 == 0:  # /proc scans every 50 ms: cheaper on 2 cores
+                md = self.mapped_deleted()
+            k += 1
+            self.samples += 1
+            self.peak_files = max(self.peak_files, f)
+            self.peak_mapped_deleted = max(self.peak_mapped_deleted, md)
+            self.peak = max(self.peak, f + md)
+            self._stop.wait(self.period)
+
+
+# ====================================================================== (c): one GET per sample
+
+class GetDataset:
+    """One object per sample; __getitems__ fetches a batch with `threads` GETs in flight (boto3)."""
+
+    def __init__(self, url: str, n: int, threads: int) -> None:
+        u = urllib.parse.urlparse(url)
+        self.bucket, self.prefix, self.n, self.threads = u.netloc, u.path.strip("/"), n, threads
+        self._pid = -1
+        self.fetched = None
+
+    def _setup(self) -> None:
+        if self._pid == os.getpid():
+            return
+        import boto3
+        from botocore.config import Config as BotoConfig
+        self.client = boto3.session.Session().client("s3", config=BotoConfig(
+            max_pool_connections=max(10, self.threads), s3={"addressing_style": "path"}))
+        self.pool = ThreadPoolExecutor(self.threads)
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("client", "pool", "_pid")} | {"_pid": -1}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _get(self, i: int) -> np.ndarray:
+        body = self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{sample_name(i)}")["Body"]
+        try:
+            data = body.read()
+        finally:
+            body.close()
+        return np.frombuffer(data, np.uint8).reshape(SHAPE)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        self._setup()
+        return {"image": self._get(int(i))}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        self._setup()
+        return [{"image": a} for a in self.pool.map(self._get, [int(i) for i in indices])]
+
+
+# ====================================================================== the epochs
+
+def run_epochs(ds: Any, epochs: int, batch_size: int, workers: int, seed: int, collate: Any,
+               sampler: TierSampler | None) -> list[dict[str, Any]]:
+    import torch
+    import torch.utils.data as tud
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    dl = tud.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate,
+                        generator=g)
+    out = []
+    for e in range(epochs):
+        if sampler is not None:
+            sampler.reset()
+        rx0 = rx_bytes()
+        n = 0
+        t0 = time.perf_counter()
+        first = None
+        for batch in dl:
+            if first is None:
+                first = time.perf_counter() - t0
+            n += len(batch["image"])
+        dt = time.perf_counter() - t0
+        rec = {"epoch": e + 1, "samples": n, "seconds": dt, "samples_per_s": n / dt,
+               "first_batch_s": first or 0.0, "home_wire_bytes": rx_bytes() - rx0}
+        if sampler is not None:
+            rec.update(tier_peak=sampler.peak, tier_peak_files=sampler.peak_files,
+                       tier_peak_mapped_deleted=sampler.peak_mapped_deleted, tier_end=sampler.files())
+        out.append(rec)
+        log(f"  epoch {e + 1}: {json.dumps(rec)}")
+    return out
+
+
+def kvdata_reader(url: str, tier_dir: Path, epochs: int, batch_size: int, workers: int, seed: int) -> dict[str, Any]:
+    """kvdata.Dataset(url) + DataLoader(shuffle=True) with the tier sampler (KVDATA_CONFIG already set)."""
+    import warnings
+
+    import kvdata
+    warnings.simplefilter("ignore")  # the RandomAccessWarning: noted in the report, not printed per worker
+    t0 = time.perf_counter()
+    ds = kvdata.Dataset(url)
+    open_s = time.perf_counter() - t0
+    with TierSampler(tier_dir) as smp:
+        eps = run_epochs(ds, epochs, batch_size, workers, seed, getattr(kvdata, "collate", None), smp)
+    return {"kvdata_file": kvdata.__file__, "open_s": open_s, "epochs": eps, "tier_samples": smp.samples}
+
+
+def write_config(tdir: Path, budget: int) -> Path:
+    tdir.mkdir(parents=True, exist_ok=True)
+    (tdir / "tier").mkdir(exist_ok=True)
+    cfgp = tdir / "kvdata.toml"
+    cfgp.write_text(f'[[tiers]]\nname = "bench"\npath = "{tdir / "tier"}"\nbudget = "{budget}"\n')
+    return cfgp
+
+
+# ====================================================================== main
+
+def prepare(src: Path, url: str, n: int, endpoint: str, env_extra: dict[str, str] | None = None) -> float:
+    """`kvdata push` src to url (through `endpoint`); returns seconds."""
+    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, **(env_extra or {}))
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", "import sys; from kvdata.cli import main; sys.argv[0] = 'kvdata'; main()",
+                        "push", str(src), url], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"kvdata push {src} {url} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return time.perf_counter() - t0
+
+
+def put_samples(src: Path, url: str, n: int) -> None:
+    import boto3
+
+    import kvdata
+    u = urllib.parse.urlparse(url)
+    cl = boto3.session.Session().client("s3", endpoint_url=DIRECT)
+    with kvdata.open(src) as st, ThreadPoolExecutor(16) as pool:
+        def put(i: int) -> None:
+            cl.put_object(Bucket=u.netloc, Key=f"{u.path.strip('/')}/{sample_name(i)}", Body=st[i]["image"].tobytes())
+        list(pool.map(put, range(n)))
+
+
+def before_worktree(rev: str, path: Path) -> Path:
+    if not (path / "kvdata" / "__init__.py").exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev], check=True,
+                       capture_output=True, text=True)
+    return path
+
+
+def run_before(a: argparse.Namespace, src: Path, work: Path, budget: int) -> dict[str, Any]:
+    wt = before_worktree(a.before, Path(a.before_dir))
+    env_extra = {"PYTHONPATH": str(wt)}
+    url = f"s3://{BUCKET}/before.kv"
+    log(f"(b) push with kvdata at {a.before}")
+    push_s = prepare(src, url, a.samples, DIRECT, env_extra)
+    tdir = work / "tiers-before"
+    shutil.rmtree(tdir, ignore_errors=True)
+    cfgp = write_config(tdir, budget)
+    out = work / "before.json"
+    env = dict(os.environ, KVDATA_CONFIG=str(cfgp), **env_extra)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--reader", url, "--tier-dir", str(tdir / "tier"),
+           "--epochs", str(a.epochs), "--batch-size", str(a.batch_size), "--workers", str(a.workers),
+           "--seed", str(a.seed), "--json", str(out)]
+    p = subprocess.run(cmd, env=env, timeout=3600, stderr=sys.stderr)
+    if p.returncode != 0:
+        raise RuntimeError(f"(b) reader failed ({p.returncode})")
+    res = json.loads(out.read_text())
+    res["push_s"] = push_s
+    shutil.rmtree(tdir, ignore_errors=True)
+    return res
+
+
+def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
+    n, ds_bytes, budget = a.samples, res["dataset_bytes"], res["budget"]
+    link = parse_rate_mbps(a.rate) * 1e6 / 8
+    link_sps = link / IMG
+    rows = []
+    runs = [(k, lbl) for k, lbl in (("a", "(a) kvdata now"), ("b", f"(b) kvdata before issue 12 ({a.before})"),
+                                   ("c", f"(c) one GET per sample, {a.threads} in flight")) if k in res["runs"]]
+    c_sps = {e["epoch"]: e["samples_per_s"] for e in res["runs"]["c"]["epochs"]} if "c" in res["runs"] else {}
+    for k, lbl in runs:
+        r = res["runs"][k]
+        if "error" in r:
+            rows.append([lbl, "-", r["error"][:80], "", "", "", "", ""])
+            continue
+        for e in r["epochs"]:
+            home = e["home_wire_bytes"] / ds_bytes
+            payload = f"{e['payload_bytes'] / ds_bytes:.2f}" if "payload_bytes" in e else "-"
+            tier = (f"{e['tier_peak'] / MB:,.1f} MB ({e['tier_peak'] / budget:.2f}x)" if "tier_peak" in e else "-")
+            vs_c = f"{e['samples_per_s'] / c_sps[e['epoch']]:.2f}x" if k != "c" and e["epoch"] in c_sps else "-"
+            rows.append([lbl, e["epoch"], f"{e['samples_per_s']:,.0f}", f"{e['samples_per_s'] / link_sps:.0%}",
+                         f"{home:.2f}", payload, tier, vs_c])
+    text = [f"### random order over a network home ({machine_line(res['machine'])})", "",
+            f"netlab S3 server (moto behind nginx, {DELAYED}), rate {a.rate}, RTT {a.rtt_ms:g} ms; {n} samples of "
+            f"227x227x3 uint8 ({IMG / 1024:.0f} KiB, {a.content}), {ds_bytes / MB:,.1f} MB, kvdata shards <= "
+            f"{a.shard_size}; tier budget {budget / MB:,.1f} MB ({budget / ds_bytes:.0%} of the dataset); "
+            f"`DataLoader(ds, shuffle=True, num_workers={a.workers}, batch_size={a.batch_size})`, {a.epochs} "
+            f"epochs, fresh workers each epoch, in-process engines (no kvdatad). Link limit: {link / MB:,.0f} MB/s "
+            f"nominal = {link_sps:,.0f} samples/s (iperf3 measured 955 Mbit/s here: {0.955 * link_sps:,.0f}/s). "
+            f"Home bytes: what the netlab namespace sent (veth rx_bytes, headers included) per epoch, in datasets; "
+            f"payload: for (c) the sum of the object sizes. Tier peak: files in the tier directory plus unlinked "
+            f"files still mapped, sampled every 10 ms.", "",
+            md_table(["reader", "epoch", "samples/s", "% of link", "home (datasets, wire)",
+                      "payload (datasets)", "tier peak (vs budget)", "vs (c)"], rows, left=1),
+            "(d) litdata and mosaic-streaming: not run (neither is installed here)."]
+    if "b" in a.skipped:
+        text.append(f"(b) skipped: {a.skipped['b']}")
+    tg = []
+    if "a" in res["runs"] and "epochs" in res["runs"]["a"]:
+        eps = res["runs"]["a"]["epochs"]
+        warm = eps[1:]
+        if warm:
+            h = max(e["home_wire_bytes"] for e in warm) / ds_bytes
+            tg.append(f"home traffic per warm epoch <= 0.85 datasets: {'met' if h <= 0.85 else 'NOT met'} "
+                      f"(worst warm epoch {h:.2f}, wire bytes)")
+        if c_sps:
+            r = min(e["samples_per_s"] / c_sps[e["epoch"]] for e in eps if e["epoch"] in c_sps)
+            tg.append(f"samples/s >= 1.2x (c): {'met' if r >= 1.2 else 'NOT met'} (worst epoch {r:.2f}x)")
+        p = max(e["tier_peak"] for e in eps) / budget
+        tg.append(f"tier peak <= budget: {'met' if p <= 1.0 else 'NOT met'} ({p:.2f}x)")
+    if tg:
+        text += ["", "Targets (issue 12): " + "; ".join(tg) + "."]
+    return "\n".join(text) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="300 samples (smoke test)")
+    p.add_argument("--samples", type=int, default=1200)
+    p.add_argument("--budget-frac", type=float, default=0.25, help="tier budget as a fraction of the dataset")
+    p.add_argument("--shard-size", default="4MB")
+    p.add_argument("--content", default="random", choices=["random", "photo", "smooth"])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=32, help="(c): GETs in flight per worker")
+    p.add_argument("--rtt-ms", type=float, default=25.0)
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--before", default="bab32a3", help="(b): the commit before issue 12")
+    p.add_argument("--before-dir", default="/tmp/kvbefore", help="(b): where its git worktree goes")
+    p.add_argument("--no-before", action="store_true", help="skip (b)")
+    p.add_argument("--only", default="a,b,c", help="which of a,b,c to run")
+    p.add_argument("--netlab-sh", default=str(NETLAB_SH))
+    p.add_argument("--dir", type=Path, help="work directory (default: a temp dir, removed)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--reader", help=argparse.SUPPRESS)       # internal: (b)'s subprocess
+    p.add_argument("--tier-dir", help=argparse.SUPPRESS)
+    a = p.parse_args()
+
+    if a.reader:  # (b): run the kvdata reader with whatever kvdata PYTHONPATH gives
+        s3_env(DELAYED)
+        res = kvdata_reader(a.reader, Path(a.tier_dir), a.epochs, a.batch_size, a.workers, a.seed)
+        write_json(a.json, res)
+        return
+
+    if a.quick:
+        a.samples = min(a.samples, 300)
+        a.shard_size = "2MB"
+    if os.geteuid() != 0:
+        raise SystemExit("random_order needs root (../shared/netlab: network namespaces and tc)")
+    sh = Path(a.netlab_sh)
+    if not sh.exists():
+        raise SystemExit(f"{sh} not found")
+    only = set(a.only.split(","))
+    a.skipped = {}
+    if a.no_before:
+        only.discard("b")
+        a.skipped["b"] = "--no-before"
+    made = a.dir is None
+    work = Path(tempfile.mkdtemp(prefix="kvdata-random-", dir="/tmp")) if made else a.dir
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {"config": {k: str(v) for k, v in vars(a).items()}, "machine": machine_info(), "runs": {}}
+    t_all = time.perf_counter()
+    try:
+        src = work / "ds"
+        shutil.rmtree(src, ignore_errors=True)
+        write_image_dataset(src, image_chunks(np.random.default_rng(a.seed), a.samples, 256, a.content),
+                            shard_size=a.shard_size, compress=False)
+        ds_bytes = a.samples * IMG
+        budget = int(ds_bytes * a.budget_frac)
+        out.update(dataset_bytes=ds_bytes, budget=budget)
+        log(f"dataset: {a.samples} samples, {ds_bytes / MB:.1f} MB; budget {budget / MB:.1f} MB")
+
+        print(netlab("up", "--rtt-ms", f"{a.rtt_ms:g}", "--rate", a.rate, sh=sh), file=sys.stderr)
+        s3_env(DIRECT)
+        import boto3
+        boto3.session.Session().client("s3", endpoint_url=DIRECT).create_bucket(Bucket=BUCKET)
+        url = f"s3://{BUCKET}/ds.kv"
+        if "a" in only:
+            out["push_s"] = prepare(src, url, a.samples, DIRECT)
+            log(f"pushed in {out['push_s']:.1f}s")
+        if "c" in only:
+            put_samples(src, f"s3://{BUCKET}/samples", a.samples)
+            log("samples put as objects")
+        s3_env(DELAYED)
+
+        for k in ("a", "c", "b"):
+            if k not in only:
+                continue
+            log(f"({k}) ...")
+            try:
+                if k == "a":
+                    tdir = work / "tiers-now"
+                    shutil.rmtree(tdir, ignore_errors=True)
+                    os.environ["KVDATA_CONFIG"] = str(write_config(tdir, budget))
+                    try:
+                        out["runs"]["a"] = kvdata_reader(url, tdir / "tier", a.epochs, a.batch_size, a.workers, a.seed)
+                    finally:
+                        os.environ.pop("KVDATA_CONFIG", None)
+                        shutil.rmtree(tdir, ignore_errors=True)
+                elif k == "c":
+                    ds = GetDataset(f"s3://{BUCKET}/samples", a.samples, a.threads)
+                    eps = run_epochs(ds, a.epochs, a.batch_size, a.workers, a.seed, None, None)
+                    for e in eps:
+                        e["payload_bytes"] = e["samples"] * IMG
+                    out["runs"]["c"] = {"epochs": eps}
+                else:
+                    out["runs"]["b"] = run_before(a, src, work, budget)
+            except Exception as e:  # noqa: BLE001 -- one reader failing still reports the others
+                log(f"({k}) failed: {type(e).__name__}: {e}")
+                out["runs"][k] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        try:
+            print(netlab("down", sh=sh), file=sys.stderr)
+        except Exception as e:  # noqa: BLE001
+            print(f"netlab down failed: {e}", file=sys.stderr)
+        if made:
+            shutil.rmtree(work, ignore_errors=True)
+    out["seconds"] = time.perf_counter() - t_all
+    md = "## kvdata bench/random_order.py\n\n" + report(a, out)
+    out["markdown"] = md
+    print(md)
+    if a.json:
+        write_json(a.json, out)
+
+
+if __name__ == "__main__":
+    main()
