@@ -62,7 +62,7 @@ class Compressed(tuple[int, str]):
 
 
 def compress_file(src: str | os.PathLike[str], dst: BinaryIO, level: int = 3, *,
-                  records: np.ndarray | None = None, frame_size: int = frames.FRAME_TARGET) -> Compressed:
+                  records: np.ndarray | None = None, frame_size: int | None = None) -> Compressed:
     """Write the framed cold copy of the shard file `src` into `dst` (kvdata.format.frames:
     zstd frames cut at record boundaries, then the seek table); return (compressed size,
     sha256), with the table's size and sha256 as attributes (see `zst_copy`).
@@ -70,7 +70,11 @@ def compress_file(src: str | os.PathLike[str], dst: BinaryIO, level: int = 3, *,
     records: the shard's side-index rows (RECORD_DTYPE), if the caller has them; otherwise
     the record boundaries are learned from the LMDB file itself. A file that is not a shard
     laid out as kvdata seals them is still framed (at page boundaries), without a slot
-    directory: it can then only be staged whole."""
+    directory: it can then only be staged whole.
+
+    frame_size: uncompressed bytes per frame; by default it follows the records
+    (`frames.frame_target`): a record read fetches its whole frame, so small records get
+    small frames."""
     sink = _HashingWriter(dst)
     with open(src, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -81,7 +85,8 @@ def compress_file(src: str | os.PathLike[str], dst: BinaryIO, level: int = 3, *,
             slots = _slots_from_rows(records, size) if records is not None else None
             if slots is None and size:
                 slots = frames.lmdb_values(buf)
-            cuts = frames.frame_cuts(size, slots, frames.page_size(buf) if size else 4096, frame_size)
+            target = frame_size or frames.frame_target(slots)
+            cuts = frames.frame_cuts(size, slots, frames.page_size(buf) if size else 4096, target)
             table: list[tuple[int, int, bytes]] = []
             cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
             for i in range(0, len(cuts), _BATCH):

@@ -45,7 +45,9 @@ from ..errors import CorruptDatasetError
 SKIPPABLE_MAGIC = 0x184D2A5B
 TABLE_MAGIC = b"KVSEEK01"
 FLAG_SLOTS = 1
-FRAME_TARGET = 128 << 10       # uncompressed bytes per frame, unless one record is larger
+FRAME_TARGET = 128 << 10       # uncompressed bytes per frame at most, unless one record is larger
+FRAME_MIN = 16 << 10           # ... and at least (zstd and the seek table stay efficient)
+RECORDS_PER_FRAME = 8          # a record read fetches about this many records' bytes
 DIGEST_BYTES = 16
 _SKIP = struct.Struct("<II")
 _HEAD = struct.Struct("<8sIIIIQ")
@@ -163,6 +165,16 @@ def page_size(buf: memoryview | bytes) -> int:
     if magic != _LMDB_MAGIC or psize & (psize - 1) or not 512 <= psize <= 65536:
         return 4096
     return int(psize)
+
+
+def frame_target(slots: np.ndarray | None) -> int:
+    """Frame size for a shard's records: a record read fetches its whole frame, so a frame
+    holds about RECORDS_PER_FRAME records (small records: FRAME_MIN, not 128 KiB per 1 KiB read),
+    between FRAME_MIN and FRAME_TARGET."""
+    if slots is None or not len(slots):
+        return FRAME_TARGET
+    mean = int(slots["size"].astype(np.int64).sum()) // len(slots)
+    return max(FRAME_MIN, min(FRAME_TARGET, mean * RECORDS_PER_FRAME))
 
 
 def frame_cuts(size: int, slots: np.ndarray | None, psize: int, target: int = FRAME_TARGET) -> list[tuple[int, int]]:
