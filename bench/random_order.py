@@ -7,7 +7,8 @@ dataset of 151 KB samples (227x227x3 uint8) that is 4x the tier budget is read f
 
   (a) kvdata now: the dataset pushed to the S3 home with `kvdata push`, read with
       kvdata.Dataset(url) in-process (no kvdatad), one tier with a budget of 25% of the
-      dataset (KVDATA_CONFIG pointing to a temp config and tier directory);
+      dataset (KVDATA_CONFIG pointing to a temp config and tier directory); and the same
+      through one kvdatad (the tier config plus a socket and allow_homes = [url]);
   (b) kvdata before issue 12 (--before REV, default bab32a3): the same reader run in a
       subprocess with PYTHONPATH pointing to a `git worktree` of that commit, reading a copy
       pushed by that commit's own `push`; --no-before skips it;
@@ -20,7 +21,8 @@ Per epoch: samples/s; bytes that came from the home (the root-side veth's rx_byt
 everything the namespace sent, TCP/IP and HTTP headers included; for (c) also the sum of the
 object sizes), as datasets; and the tier's peak bytes against its budget (a sampler thread
 summing the sizes of the files in the tier directory every 10 ms, plus files under it that a
-reader process still maps after they were unlinked).
+reader process still maps after they were unlinked); the GETs the S3 server logged. Before the
+readers: the server's own rate for whole sample objects and for ranged GETs inside shards.
 
   python bench/random_order.py --quick
   python bench/random_order.py --json bench/out/random_order.json     # 1,200 samples, ~180 MB
@@ -91,6 +93,30 @@ def rx_bytes() -> int:
     """Bytes the root namespace has received from the netlab namespace (the home's sends)."""
     try:
         return int(Path(f"/sys/class/net/{VETH}/statistics/rx_bytes").read_text())
+    except OSError:
+        return -1
+
+
+def moto_log() -> Path:
+    return Path(os.environ.get("NETLAB_DIR") or Path(os.environ.get("TMPDIR") or "/tmp") / "netlab") / "run" / "moto.log"
+
+
+def log_offset() -> int:
+    try:
+        return moto_log().stat().st_size
+    except OSError:
+        return -1
+
+
+def gets_since(offset: int) -> int:
+    """GET requests the S3 server (moto) logged since `offset` of its log; -1 if unknown."""
+    if offset < 0:
+        return -1
+    time.sleep(0.05)  # let the last lines land
+    try:
+        with open(moto_log(), "rb") as f:
+            f.seek(offset)
+            return f.read().count(b'GET /')
     except OSError:
         return -1
 
@@ -246,7 +272,7 @@ def run_epochs(ds: Any, epochs: int, batch_size: int, workers: int, seed: int, c
     for e in range(epochs):
         if sampler is not None:
             sampler.reset()
-        rx0 = rx_bytes()
+        rx0, lo = rx_bytes(), log_offset()
         n = 0
         t0 = time.perf_counter()
         first = None
@@ -256,7 +282,8 @@ def run_epochs(ds: Any, epochs: int, batch_size: int, workers: int, seed: int, c
             n += len(batch["image"])
         dt = time.perf_counter() - t0
         rec = {"epoch": e + 1, "samples": n, "seconds": dt, "samples_per_s": n / dt,
-               "first_batch_s": first or 0.0, "home_wire_bytes": rx_bytes() - rx0}
+               "first_batch_s": first or 0.0, "home_wire_bytes": rx_bytes() - rx0,
+               "gets": gets_since(lo)}
         if sampler is not None:
             rec.update(tier_peak=sampler.peak, tier_peak_files=sampler.peak_files,
                        tier_peak_mapped_deleted=sampler.peak_mapped_deleted, tier_end=sampler.files())
@@ -274,17 +301,84 @@ def kvdata_reader(url: str, tier_dir: Path, epochs: int, batch_size: int, worker
     t0 = time.perf_counter()
     ds = kvdata.Dataset(url)
     open_s = time.perf_counter() - t0
+    eng = getattr(ds.store, "engine", None)
+    via_daemon = type(eng).__name__ == "DaemonStager" and getattr(eng, "client", None) is not None
     with TierSampler(tier_dir) as smp:
         eps = run_epochs(ds, epochs, batch_size, workers, seed, getattr(kvdata, "collate", None), smp)
-    return {"kvdata_file": kvdata.__file__, "open_s": open_s, "epochs": eps, "tier_samples": smp.samples}
+    return {"kvdata_file": kvdata.__file__, "open_s": open_s, "epochs": eps, "tier_samples": smp.samples,
+            "engine": type(eng).__name__, "via_daemon": via_daemon}
 
 
-def write_config(tdir: Path, budget: int) -> Path:
+def write_config(tdir: Path, budget: int, sock: Path | None = None, allow: str | None = None) -> Path:
     tdir.mkdir(parents=True, exist_ok=True)
     (tdir / "tier").mkdir(exist_ok=True)
     cfgp = tdir / "kvdata.toml"
-    cfgp.write_text(f'[[tiers]]\nname = "bench"\npath = "{tdir / "tier"}"\nbudget = "{budget}"\n')
+    text = f'[[tiers]]\nname = "bench"\npath = "{tdir / "tier"}"\nbudget = "{budget}"\n'
+    if sock is not None:
+        text += f'\n[daemon]\nsocket = "{sock}"\n'
+        if allow:
+            text += f'allow_homes = ["{allow}"]\n'
+    cfgp.write_text(text)
     return cfgp
+
+
+def kvdatad_argv() -> list[str]:
+    exe = Path(sys.executable).parent / "kvdatad"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "kvdata_daemon"]
+
+
+def run_daemon(a: argparse.Namespace, url: str, work: Path, budget: int) -> dict[str, Any]:
+    """(a) through one kvdatad (its own subprocess, the same tier config plus a socket)."""
+    from kvdata.protocol import Client
+
+    tdir = work / "tiers-daemon"
+    shutil.rmtree(tdir, ignore_errors=True)
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvdd-", dir="/tmp"))  # Unix socket paths: 108 bytes at most
+    sock = sock_dir / "d.sock"
+    cfgp = write_config(tdir, budget, sock, allow=url)  # kvdatad fetches a remote home only if allowed
+    dlog = tdir / "kvdatad.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("KVDATA_SOCKET", "KVDATA_CONFIG", "NOTIFY_SOCKET")}
+    with open(dlog, "wb") as f:
+        daemon = subprocess.Popen(kvdatad_argv() + ["--config", str(cfgp), "--log-level", "WARNING"], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, cwd=tdir,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        client = None
+        while client is None:
+            if daemon.poll() is not None:
+                raise RuntimeError(f"kvdatad exited with {daemon.returncode}:\n{dlog.read_text()[-2000:]}")
+            try:
+                client = Client(sock, timeout=30)
+            except Exception:  # noqa: BLE001 -- not listening yet
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kvdatad did not listen on {sock} within 30 s") from None
+                time.sleep(0.02)
+        os.environ["KVDATA_CONFIG"] = str(cfgp)
+        try:
+            res = kvdata_reader(url, tdir / "tier", a.epochs, a.batch_size, a.workers, a.seed)
+        finally:
+            os.environ.pop("KVDATA_CONFIG", None)
+        try:
+            st = client.request("status")
+            res["daemon_status"] = {k: st.get(k) for k in ("bytes_from_home", "shards_staged", "hits", "misses",
+                                                             "errors", "stall_seconds")}
+            res["daemon_status"]["datasets"] = st.get("datasets")
+        except Exception as e:  # noqa: BLE001
+            res["daemon_status"] = {"error": str(e)}
+        client.close()
+        if not res["via_daemon"]:
+            res["note"] = "the reader did not go through kvdatad"
+        return res
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(15)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        shutil.rmtree(tdir, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 # ====================================================================== main
@@ -311,6 +405,46 @@ def put_samples(src: Path, url: str, n: int) -> None:
         def put(i: int) -> None:
             cl.put_object(Bucket=u.netloc, Key=f"{u.path.strip('/')}/{sample_name(i)}", Body=st[i]["image"].tobytes())
         list(pool.map(put, range(n)))
+
+
+def server_rates(url: str, samples_url: str, n: int, threads: int, seed: int) -> dict[str, Any]:
+    """The S3 server's request rate with `threads` GETs in flight (through the delayed endpoint):
+    whole sample objects vs ranged GETs of one sample's size inside the pushed shard objects."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+    cl = boto3.session.Session().client("s3", endpoint_url=DELAYED, config=BotoConfig(
+        max_pool_connections=threads, s3={"addressing_style": "path"}))
+    rng = np.random.default_rng(seed + 11)
+    u, su = urllib.parse.urlparse(url), urllib.parse.urlparse(samples_url)
+    objs = [o for o in cl.list_objects_v2(Bucket=u.netloc, Prefix=u.path.strip("/") + "/").get("Contents", [])
+            if o["Size"] > 4 * IMG]
+    out: dict[str, Any] = {}
+
+    def rate(fn: Any, args: list[Any]) -> dict[str, float]:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fn, args[:threads]))  # connections up, not timed
+            t0 = time.perf_counter()
+            nbytes = sum(pool.map(fn, args))
+            dt = time.perf_counter() - t0
+        return {"requests": len(args), "per_s": len(args) / dt, "MBps": nbytes / dt / MB}
+
+    def whole(i: int) -> int:
+        return len(cl.get_object(Bucket=su.netloc, Key=f"{su.path.strip('/')}/{sample_name(i)}")["Body"].read())
+
+    def ranged(ko: tuple[str, int]) -> int:
+        k, off = ko
+        return len(cl.get_object(Bucket=u.netloc, Key=k, Range=f"bytes={off}-{off + IMG - 1}")["Body"].read())
+
+    m = min(n, 300)
+    out["whole_objects"] = rate(whole, [int(i) for i in rng.choice(n, m, replace=False)])
+    if objs:
+        args = []
+        for _ in range(m):
+            o = objs[int(rng.integers(len(objs)))]
+            args.append((o["Key"], int(rng.integers(0, o["Size"] - IMG))))
+        out["ranged_in_shards"] = rate(ranged, args)
+        out["shard_object_bytes"] = int(np.median([o["Size"] for o in objs]))
+    return out
 
 
 def before_worktree(rev: str, path: Path) -> Path:
@@ -348,51 +482,69 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
     link = parse_rate_mbps(a.rate) * 1e6 / 8
     link_sps = link / IMG
     rows = []
-    runs = [(k, lbl) for k, lbl in (("a", "(a) kvdata now"), ("b", f"(b) kvdata before issue 12 ({a.before})"),
-                                   ("c", f"(c) one GET per sample, {a.threads} in flight")) if k in res["runs"]]
+    labels = (("a", "(a) kvdata now, in-process"), ("ad", "(a) kvdata now, through kvdatad"),
+              ("b", f"(b) kvdata before issue 12 ({a.before}), in-process"),
+              ("c", f"(c) one GET per sample, {a.threads} in flight"))
+    runs = [(k, lbl) for k, lbl in labels if k in res["runs"]]
     c_sps = {e["epoch"]: e["samples_per_s"] for e in res["runs"]["c"]["epochs"]} if "c" in res["runs"] else {}
     for k, lbl in runs:
         r = res["runs"][k]
         if "error" in r:
-            rows.append([lbl, "-", r["error"][:80], "", "", "", "", ""])
+            rows.append([lbl, "-", r["error"][:80], "", "", "", "", "", ""])
             continue
         for e in r["epochs"]:
             home = e["home_wire_bytes"] / ds_bytes
             payload = f"{e['payload_bytes'] / ds_bytes:.2f}" if "payload_bytes" in e else "-"
             tier = (f"{e['tier_peak'] / MB:,.1f} MB ({e['tier_peak'] / budget:.2f}x)" if "tier_peak" in e else "-")
             vs_c = f"{e['samples_per_s'] / c_sps[e['epoch']]:.2f}x" if k != "c" and e["epoch"] in c_sps else "-"
+            gets = f"{e['gets']:,}" if e.get("gets", -1) >= 0 else "-"
             rows.append([lbl, e["epoch"], f"{e['samples_per_s']:,.0f}", f"{e['samples_per_s'] / link_sps:.0%}",
-                         f"{home:.2f}", payload, tier, vs_c])
+                         f"{home:.2f}", payload, gets, tier, vs_c])
     text = [f"### random order over a network home ({machine_line(res['machine'])})", "",
             f"netlab S3 server (moto behind nginx, {DELAYED}), rate {a.rate}, RTT {a.rtt_ms:g} ms; {n} samples of "
             f"227x227x3 uint8 ({IMG / 1024:.0f} KiB, {a.content}), {ds_bytes / MB:,.1f} MB, kvdata shards <= "
             f"{a.shard_size}; tier budget {budget / MB:,.1f} MB ({budget / ds_bytes:.0%} of the dataset); "
             f"`DataLoader(ds, shuffle=True, num_workers={a.workers}, batch_size={a.batch_size})`, {a.epochs} "
-            f"epochs, fresh workers each epoch, in-process engines (no kvdatad). Link limit: {link / MB:,.0f} MB/s "
+            f"epochs, fresh workers each epoch; (a) with in-process engines and through one kvdatad (its own tier "
+            f"directory, same budget). Link limit: {link / MB:,.0f} MB/s "
             f"nominal = {link_sps:,.0f} samples/s (iperf3 measured 955 Mbit/s here: {0.955 * link_sps:,.0f}/s). "
             f"Home bytes: what the netlab namespace sent (veth rx_bytes, headers included) per epoch, in datasets; "
-            f"payload: for (c) the sum of the object sizes. Tier peak: files in the tier directory plus unlinked "
+            f"payload: for (c) the sum of the object sizes; GETs: requests the S3 server logged. "
+            f"Tier peak: files in the tier directory plus unlinked "
             f"files still mapped, sampled every 10 ms.", "",
             md_table(["reader", "epoch", "samples/s", "% of link", "home (datasets, wire)",
-                      "payload (datasets)", "tier peak (vs budget)", "vs (c)"], rows, left=1),
+                      "payload (datasets)", "GETs", "tier peak (vs budget)", "vs (c)"], rows, left=1),
             "(d) litdata and mosaic-streaming: not run (neither is installed here)."]
+    sv = res.get("server") or {}
+    if "ranged_in_shards" in sv:
+        w, r = sv["whole_objects"], sv["ranged_in_shards"]
+        text.append(f"The S3 server alone, {a.threads} GETs in flight from one process: whole {IMG / 1024:.0f} KiB "
+                    f"objects {w['per_s']:,.0f}/s ({w['MBps']:,.0f} MB/s); ranged GETs of {IMG / 1024:.0f} KiB inside "
+                    f"the pushed shard objects (median {sv['shard_object_bytes'] / MB:.1f} MB) {r['per_s']:,.0f}/s "
+                    f"({r['MBps']:,.0f} MB/s).")
     if "b" in a.skipped:
         text.append(f"(b) skipped: {a.skipped['b']}")
     tg = []
-    if "a" in res["runs"] and "epochs" in res["runs"]["a"]:
-        eps = res["runs"]["a"]["epochs"]
+    for k, who in (("a", "in-process"), ("ad", "through kvdatad")):
+        r = res["runs"].get(k) or {}
+        if "epochs" not in r:
+            continue
+        eps, t = r["epochs"], []
         warm = eps[1:]
         if warm:
             h = max(e["home_wire_bytes"] for e in warm) / ds_bytes
-            tg.append(f"home traffic per warm epoch <= 0.85 datasets: {'met' if h <= 0.85 else 'NOT met'} "
-                      f"(worst warm epoch {h:.2f}, wire bytes)")
+            t.append(f"home traffic per warm epoch <= 0.85 datasets: {'met' if h <= 0.85 else 'NOT met'} "
+                     f"(worst warm epoch {h:.2f}, wire bytes)")
         if c_sps:
-            r = min(e["samples_per_s"] / c_sps[e["epoch"]] for e in eps if e["epoch"] in c_sps)
-            tg.append(f"samples/s >= 1.2x (c): {'met' if r >= 1.2 else 'NOT met'} (worst epoch {r:.2f}x)")
-        p = max(e["tier_peak"] for e in eps) / budget
-        tg.append(f"tier peak <= budget: {'met' if p <= 1.0 else 'NOT met'} ({p:.2f}x)")
+            q = min(e["samples_per_s"] / c_sps[e["epoch"]] for e in eps if e["epoch"] in c_sps)
+            t.append(f"samples/s >= 1.2x (c): {'met' if q >= 1.2 else 'NOT met'} (worst epoch {q:.2f}x)")
+        pk = max(e["tier_peak"] for e in eps) / budget
+        t.append(f"tier peak <= budget: {'met' if pk <= 1.0 else 'NOT met'} ({pk:.2f}x)")
+        if k == "ad" and not r.get("via_daemon"):
+            t.append("NOTE: the reader did not go through kvdatad")
+        tg.append(f"(a) {who}: " + "; ".join(t))
     if tg:
-        text += ["", "Targets (issue 12): " + "; ".join(tg) + "."]
+        text += ["", "Targets (issue 12):", ""] + [f"- {x}." for x in tg]
     return "\n".join(text) + "\n"
 
 
@@ -414,7 +566,8 @@ def main() -> None:
     p.add_argument("--before", default="bab32a3", help="(b): the commit before issue 12")
     p.add_argument("--before-dir", default="/tmp/kvbefore", help="(b): where its git worktree goes")
     p.add_argument("--no-before", action="store_true", help="skip (b)")
-    p.add_argument("--only", default="a,b,c", help="which of a,b,c to run")
+    p.add_argument("--only", default="a,ad,b,c", help="which of a,ad (a through kvdatad),b,c to run")
+    p.add_argument("--no-daemon", action="store_true", help="skip (a) through kvdatad")
     p.add_argument("--netlab-sh", default=str(NETLAB_SH))
     p.add_argument("--dir", type=Path, help="work directory (default: a temp dir, removed)")
     p.add_argument("--json", type=Path)
@@ -441,6 +594,8 @@ def main() -> None:
     if a.no_before:
         only.discard("b")
         a.skipped["b"] = "--no-before"
+    if a.no_daemon:
+        only.discard("ad")
     made = a.dir is None
     work = Path(tempfile.mkdtemp(prefix="kvdata-random-", dir="/tmp")) if made else a.dir
     work.mkdir(parents=True, exist_ok=True)
@@ -461,15 +616,21 @@ def main() -> None:
         import boto3
         boto3.session.Session().client("s3", endpoint_url=DIRECT).create_bucket(Bucket=BUCKET)
         url = f"s3://{BUCKET}/ds.kv"
-        if "a" in only:
+        if only & {"a", "ad"}:
             out["push_s"] = prepare(src, url, a.samples, DIRECT)
             log(f"pushed in {out['push_s']:.1f}s")
         if "c" in only:
             put_samples(src, f"s3://{BUCKET}/samples", a.samples)
             log("samples put as objects")
         s3_env(DELAYED)
+        if "c" in only and only & {"a", "ad"}:
+            try:
+                out["server"] = server_rates(url, f"s3://{BUCKET}/samples", a.samples, a.threads, a.seed)
+                log(f"server: {out['server']}")
+            except Exception as e:  # noqa: BLE001 -- a calibration only
+                log(f"server rates failed: {type(e).__name__}: {e}")
 
-        for k in ("a", "c", "b"):
+        for k in ("a", "ad", "c", "b"):
             if k not in only:
                 continue
             log(f"({k}) ...")
@@ -483,11 +644,13 @@ def main() -> None:
                     finally:
                         os.environ.pop("KVDATA_CONFIG", None)
                         shutil.rmtree(tdir, ignore_errors=True)
+                elif k == "ad":
+                    out["runs"]["ad"] = run_daemon(a, url, work, budget)
                 elif k == "c":
                     ds = GetDataset(f"s3://{BUCKET}/samples", a.samples, a.threads)
                     eps = run_epochs(ds, a.epochs, a.batch_size, a.workers, a.seed, None, None)
-                    for e in eps:
-                        e["payload_bytes"] = e["samples"] * IMG
+                    for ep in eps:
+                        ep["payload_bytes"] = ep["samples"] * IMG
                     out["runs"]["c"] = {"epochs": eps}
                 else:
                     out["runs"]["b"] = run_before(a, src, work, budget)
