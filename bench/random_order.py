@@ -260,16 +260,22 @@ class GetDataset:
 # ====================================================================== the epochs
 
 def run_epochs(ds: Any, epochs: int, batch_size: int, workers: int, seed: int, collate: Any,
-               sampler: TierSampler | None) -> list[dict[str, Any]]:
+               sampler: TierSampler | None, order: Any = None) -> list[dict[str, Any]]:
+    """`order`: None for shuffle=True, else a sampler with set_epoch (ShardShuffleSampler)."""
     import torch
     import torch.utils.data as tud
 
     g = torch.Generator()
     g.manual_seed(seed)
-    dl = tud.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate,
-                        generator=g)
+    if order is None:
+        dl = tud.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate,
+                            generator=g)
+    else:
+        dl = tud.DataLoader(ds, batch_size=batch_size, sampler=order, num_workers=workers, collate_fn=collate)
     out = []
     for e in range(epochs):
+        if order is not None:
+            order.set_epoch(e)
         if sampler is not None:
             sampler.reset()
         rx0, lo = rx_bytes(), log_offset()
@@ -292,8 +298,10 @@ def run_epochs(ds: Any, epochs: int, batch_size: int, workers: int, seed: int, c
     return out
 
 
-def kvdata_reader(url: str, tier_dir: Path, epochs: int, batch_size: int, workers: int, seed: int) -> dict[str, Any]:
-    """kvdata.Dataset(url) + DataLoader(shuffle=True) with the tier sampler (KVDATA_CONFIG already set)."""
+def kvdata_reader(url: str, tier_dir: Path, epochs: int, batch_size: int, workers: int, seed: int,
+                  shard_aware: bool = False) -> dict[str, Any]:
+    """kvdata.Dataset(url) + DataLoader(shuffle=True) with the tier sampler (KVDATA_CONFIG already set);
+    shard_aware: DataLoader(sampler=kvdata.ShardShuffleSampler(ds)) instead."""
     import warnings
 
     import kvdata
@@ -304,7 +312,8 @@ def kvdata_reader(url: str, tier_dir: Path, epochs: int, batch_size: int, worker
     eng = getattr(ds.store, "engine", None)
     via_daemon = type(eng).__name__ == "DaemonStager" and getattr(eng, "client", None) is not None
     with TierSampler(tier_dir) as smp:
-        eps = run_epochs(ds, epochs, batch_size, workers, seed, getattr(kvdata, "collate", None), smp)
+        order = kvdata.ShardShuffleSampler(ds, seed=seed) if shard_aware else None
+        eps = run_epochs(ds, epochs, batch_size, workers, seed, getattr(kvdata, "collate", None), smp, order)
     return {"kvdata_file": kvdata.__file__, "open_s": open_s, "epochs": eps, "tier_samples": smp.samples,
             "engine": type(eng).__name__, "via_daemon": via_daemon}
 
@@ -327,7 +336,7 @@ def kvdatad_argv() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "kvdata_daemon"]
 
 
-def run_daemon(a: argparse.Namespace, url: str, work: Path, budget: int) -> dict[str, Any]:
+def run_daemon(a: argparse.Namespace, url: str, work: Path, budget: int, shard_aware: bool = False) -> dict[str, Any]:
     """(a) through one kvdatad (its own subprocess, the same tier config plus a socket)."""
     from kvdata.protocol import Client
 
@@ -356,7 +365,7 @@ def run_daemon(a: argparse.Namespace, url: str, work: Path, budget: int) -> dict
                 time.sleep(0.02)
         os.environ["KVDATA_CONFIG"] = str(cfgp)
         try:
-            res = kvdata_reader(url, tdir / "tier", a.epochs, a.batch_size, a.workers, a.seed)
+            res = kvdata_reader(url, tdir / "tier", a.epochs, a.batch_size, a.workers, a.seed, shard_aware)
         finally:
             os.environ.pop("KVDATA_CONFIG", None)
         try:
@@ -484,7 +493,9 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
     rows = []
     labels = (("a", "(a) kvdata now, in-process"), ("ad", "(a) kvdata now, through kvdatad"),
               ("b", f"(b) kvdata before issue 12 ({a.before}), in-process"),
-              ("c", f"(c) one GET per sample, {a.threads} in flight"))
+              ("c", f"(c) one GET per sample, {a.threads} in flight"),
+              ("as", "for reference: kvdata now, in-process, ShardShuffleSampler instead of shuffle=True"),
+              ("asd", "for reference: kvdata now, through kvdatad, ShardShuffleSampler instead of shuffle=True"))
     runs = [(k, lbl) for k, lbl in labels if k in res["runs"]]
     c_sps = {e["epoch"]: e["samples_per_s"] for e in res["runs"]["c"]["epochs"]} if "c" in res["runs"] else {}
     for k, lbl in runs:
@@ -543,6 +554,13 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
         if k == "ad" and not r.get("via_daemon"):
             t.append("NOTE: the reader did not go through kvdatad")
         tg.append(f"(a) {who}: " + "; ".join(t))
+    for k, who in (("as", "in-process"), ("asd", "through kvdatad")):
+        r = res["runs"].get(k) or {}
+        if len(r.get("epochs") or []) > 1:
+            h = max(e["home_wire_bytes"] for e in r["epochs"][1:]) / ds_bytes
+            ideal = 1 - budget / ds_bytes
+            tg.append(f"shard-aware order ({who}) end to end within 0.05 of 1 - budget = {ideal:.2f}: "
+                      f"{'met' if abs(h - ideal) <= 0.05 else 'NOT met'} (worst warm epoch {h:.2f}, wire bytes)")
     if tg:
         text += ["", "Targets (issue 12):", ""] + [f"- {x}." for x in tg]
     return "\n".join(text) + "\n"
@@ -566,7 +584,8 @@ def main() -> None:
     p.add_argument("--before", default="bab32a3", help="(b): the commit before issue 12")
     p.add_argument("--before-dir", default="/tmp/kvbefore", help="(b): where its git worktree goes")
     p.add_argument("--no-before", action="store_true", help="skip (b)")
-    p.add_argument("--only", default="a,ad,b,c", help="which of a,ad (a through kvdatad),b,c to run")
+    p.add_argument("--only", default="a,ad,as,asd,b,c",
+                   help="which of a, ad (a through kvdatad), as / asd (a / ad with ShardShuffleSampler), b, c to run")
     p.add_argument("--no-daemon", action="store_true", help="skip (a) through kvdatad")
     p.add_argument("--netlab-sh", default=str(NETLAB_SH))
     p.add_argument("--dir", type=Path, help="work directory (default: a temp dir, removed)")
@@ -595,7 +614,7 @@ def main() -> None:
         only.discard("b")
         a.skipped["b"] = "--no-before"
     if a.no_daemon:
-        only.discard("ad")
+        only -= {"ad", "asd"}
     made = a.dir is None
     work = Path(tempfile.mkdtemp(prefix="kvdata-random-", dir="/tmp")) if made else a.dir
     work.mkdir(parents=True, exist_ok=True)
@@ -616,7 +635,7 @@ def main() -> None:
         import boto3
         boto3.session.Session().client("s3", endpoint_url=DIRECT).create_bucket(Bucket=BUCKET)
         url = f"s3://{BUCKET}/ds.kv"
-        if only & {"a", "ad"}:
+        if only & {"a", "ad", "as", "asd"}:
             out["push_s"] = prepare(src, url, a.samples, DIRECT)
             log(f"pushed in {out['push_s']:.1f}s")
         if "c" in only:
@@ -630,22 +649,23 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 -- a calibration only
                 log(f"server rates failed: {type(e).__name__}: {e}")
 
-        for k in ("a", "ad", "c", "b"):
+        for k in ("a", "ad", "as", "asd", "c", "b"):
             if k not in only:
                 continue
             log(f"({k}) ...")
             try:
-                if k == "a":
+                if k in ("a", "as"):
                     tdir = work / "tiers-now"
                     shutil.rmtree(tdir, ignore_errors=True)
                     os.environ["KVDATA_CONFIG"] = str(write_config(tdir, budget))
                     try:
-                        out["runs"]["a"] = kvdata_reader(url, tdir / "tier", a.epochs, a.batch_size, a.workers, a.seed)
+                        out["runs"][k] = kvdata_reader(url, tdir / "tier", a.epochs, a.batch_size, a.workers, a.seed,
+                                                       shard_aware=k == "as")
                     finally:
                         os.environ.pop("KVDATA_CONFIG", None)
                         shutil.rmtree(tdir, ignore_errors=True)
-                elif k == "ad":
-                    out["runs"]["ad"] = run_daemon(a, url, work, budget)
+                elif k in ("ad", "asd"):
+                    out["runs"][k] = run_daemon(a, url, work, budget, shard_aware=k == "asd")
                 elif k == "c":
                     ds = GetDataset(f"s3://{BUCKET}/samples", a.samples, a.threads)
                     eps = run_epochs(ds, a.epochs, a.batch_size, a.workers, a.seed, None, None)
