@@ -15,7 +15,9 @@ dataset of 151 KB samples (227x227x3 uint8) that is 4x the tier budget is read f
   (c) one GET per sample, 32 in flight: every sample its own object in the same S3 server,
       a Dataset whose __getitems__ fetches the batch with a ThreadPoolExecutor(32) through
       boto3 (the ConcurrentDataloader technique);
-  (d) litdata and mosaic-streaming: not run (not installed here).
+  (d) litdata and mosaic-streaming: not run (not installed here);
+  for reference: (a) with DataLoader(sampler=kvdata.ShardShuffleSampler(ds)) instead of
+      shuffle=True, in-process and through kvdatad (the shard-aware order against 1 - budget).
 
 Per epoch: samples/s; bytes that came from the home (the root-side veth's rx_bytes, i.e.
 everything the namespace sent, TCP/IP and HTTP headers included; for (c) also the sum of the
