@@ -26,4 +26,5 @@ mods = sorted(((len(f.read_text().splitlines()), str(f)) for f in files), revers
 print("largest modules", mods[:3])
 print("longest functions", sorted(longest, reverse=True)[:3])
 print("private non-self reads", len(priv))
-for p in priv: print("  ", p)
+for p in priv:
+    print("  ", p)
