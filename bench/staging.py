@@ -175,7 +175,7 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
                 raise AssertionError
             for b in blobs:
                 sha = hashlib.sha256()
-                d = zstandard.ZstdDecompressor().decompressobj()
+                d = zstandard.ZstdDecompressor().decompressobj(read_across_frames=True)  # framed cold copies
                 for i in range(0, len(b), 4 << 20):  # the engine's part/chunk loop
                     out = d.decompress(b[i:i + (4 << 20)])
                     if with_sha:
