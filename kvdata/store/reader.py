@@ -173,18 +173,11 @@ class Reader:
         assert source is not None
         shards = self.gen.shards
         handles = self._handles
-        groups: dict[int, list[int]] = {}
-        asked: dict[int, bool] = {}
-        for i, s in enumerate(sh.tolist()):
-            if handles[s] is not None:
-                continue
-            part = asked.get(s)
-            if part is None:
-                part = asked[s] = not source.wants_whole(shards[s])
-            if part:
-                groups.setdefault(s, []).append(i)
-        if not groups:
+        # per shard, not per sample: a warm batch (every shard mapped) costs one np.unique
+        cold = [s for s in np.unique(sh).tolist() if handles[s] is None and not source.wants_whole(shards[s])]
+        if not cold:
             return None
+        groups = {s: np.nonzero(sh == s)[0].tolist() for s in cold}
         slot_l = slots.tolist()
         todo = list(groups)
 
@@ -427,14 +420,12 @@ class Reader:
         source = self.source
         if source is None:
             return
-        groups: dict[int, list[int]] = {}
-        for j, (s, r) in enumerate(zip(shard.tolist(), rec.tolist())):
-            if r >= 0 and self._handles[s] is None:
-                groups.setdefault(s, []).append(j)
-        for s, js in groups.items():
+        sealed = rec >= 0
+        for s in np.unique(shard[sealed]).tolist():  # per shard, not per sample
             entry = self.gen.shards[s]
-            if source.wants_whole(entry):
+            if self._handles[s] is not None or source.wants_whole(entry):
                 continue
+            js = np.nonzero(sealed & (shard == s))[0].tolist()
             values = source.read_records(entry, [int(slot[j]) for j in js])
             if values is None:
                 continue
