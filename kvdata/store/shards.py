@@ -173,11 +173,17 @@ def release_dead_pages(env: lmdb.Environment, path: Path) -> None:
     failed (a full disk) leaves pages written past them, which nothing will ever read. Safe
     for readers: no snapshot uses a page past the newest meta's last page."""
     used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    try:
-        if os.stat(path, follow_symlinks=False).st_size > used:
-            os.truncate(path, used)
+    try:  # through a descriptor opened without following links: never another file's length
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        pass  # only space is at stake
+        return  # only space is at stake
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode) and os.fstat(fd).st_size > used:
+            os.ftruncate(fd, used)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _open_tail(path: str, shard_size: int, create: bool) -> lmdb.Environment:
