@@ -51,6 +51,7 @@ from .trust import Peer, secure_tiers
 
 MAX_LOCATION = 4096
 MAX_READER = 256
+MAX_CATCH_UP = 64         # reader positions one need/want may carry
 MAX_WANT = 4096          # shards one `want` may name
 HELD_PER_DATASET = 32    # descriptors of one dataset a connection's requests leave with the daemon (LRU)
 PASSED_DATASETS = 4      # datasets per connection with descriptors held
@@ -418,6 +419,21 @@ class Service:
                 self._client(cid).stall_seconds = float(stall)
         return {}
 
+    def _catch_up(self, cid: int, value: Any) -> None:
+        """Positions a need/want carries ([[reader, position], ...]: progress the client held
+        back), applied before the shard is located, so eviction goes by where readers are."""
+        if value is None:
+            return
+        if not isinstance(value, list) or len(value) > MAX_CATCH_UP:
+            raise BadRequest(f"progress must be a list of at most {MAX_CATCH_UP} [reader, position] pairs")
+        moves = []
+        for item in value:
+            if not isinstance(item, list) or len(item) != 2:
+                raise BadRequest("progress must be a list of [reader, position] pairs")
+            moves.append((self._reader(cid, item[0]), self._position(item[1])))
+        for reader, position in moves:
+            self.engine.progress(reader, position)
+
     def release(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
         reader = self._reader(cid, msg.get("reader"))
         with self._lock:
@@ -434,6 +450,7 @@ class Service:
         the home (or, for a dataset read from passed descriptors, asks the client to open
         it again); it never serves a copy with another checksum."""
         ds, home = self._dataset(cid, msg.get("dataset"))
+        self._catch_up(cid, msg.get("progress"))
         want = msg.get("sha256")
         if want is not None and not is_sha256(want):
             raise BadRequest("sha256 must be 64 lowercase hex digits")
@@ -470,6 +487,7 @@ class Service:
         """A reader's batch needs these shards now: start staging them together (not awaited;
         its `need`s then wait for the slowest, not the sum)."""
         ds, home = self._dataset(cid, msg.get("dataset"))
+        self._catch_up(cid, msg.get("progress"))
         shards = msg.get("shards")
         if not isinstance(shards, list) or len(shards) > MAX_WANT:
             raise BadRequest("shards must be a list of [id, sha256] pairs")

@@ -164,6 +164,7 @@ class DaemonStager:
         # descriptors of copies the daemon passed (unlocked: the mapped handle locks its own use)
         self._copies: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._sent: dict[str, tuple[int, float]] = {}   # reader -> (position, when) last reported
+        self._unsent: dict[str, int] = {}                # reader -> a position held back (PROGRESS_INTERVAL)
         self._orders: dict[str, list[ShardEntry]] = {}  # reader -> announced order (files passed ahead)
         self._ahead: dict[str, set[int]] = {}           # reader -> shard ids whose files went ahead
         self.stall_seconds = 0.0  # time this process waited for shards: reported with progress
@@ -277,6 +278,7 @@ class DaemonStager:
             f = shard_file(self.location, entry)
             if f is not None:
                 fds, fields["kind"] = [f[0]], f[1]
+        fields.update(self._catch_up())
         try:
             got = self._request("need", fds, shard=entry.id, sha256=entry.sha256, **fields)
         finally:
@@ -360,6 +362,7 @@ class DaemonStager:
             have = {i for i, _k in items}
             wanted = [e for e in wanted if e.id in have]
             fields["kinds"] = [k for _i, k in items]
+        fields.update(self._catch_up())
         try:
             reply = self._call("want", fds, shards=[[e.id, e.sha256] for e in wanted], **fields)
         finally:
@@ -395,7 +398,9 @@ class DaemonStager:
         now = time.monotonic()
         last = self._sent.get(reader)
         if last is not None and now - last[1] < PROGRESS_INTERVAL:
+            self._unsent[reader] = position  # goes with the next need/want (a reader that moves on needs shards)
             return
+        self._unsent.pop(reader, None)
         self._sent[reader] = (position, now)
         stall = round(self.stall_seconds, 6)
         fds, items = self._window(reader, position)
@@ -406,6 +411,19 @@ class DaemonStager:
             close_fds(fds)
         if reply is None and self._fallback is not None:
             self._fallback.progress(reader, position)
+
+    def _catch_up(self) -> dict[str, Any]:
+        """Positions held back by PROGRESS_INTERVAL, for a need/want to carry: the daemon then
+        evicts by where the readers are, not where they were 50 ms ago (a fast reader is
+        many shards further on, and the shards it has finished look like the next ones)."""
+        if not self._unsent:
+            return {}
+        now = time.monotonic()
+        for reader, position in self._unsent.items():
+            self._sent[reader] = (position, now)
+        out = {"progress": [[r, p] for r, p in self._unsent.items()]}
+        self._unsent.clear()
+        return out
 
     def status(self) -> dict[str, Any]:
         reply = self._call("status") if self.client is not None else None

@@ -27,7 +27,7 @@ from ..store.verify import verify_store
 from ..tiers.engine import Engine
 from ..tiers.homes import is_url, open_home
 from ..tiers.mirror import cache_root, mirror
-from ..tiers.source import EngineSource
+from ..tiers.source import EngineSource, max_open_within
 from .daemon_client import DaemonStager, open_root
 
 
@@ -90,7 +90,10 @@ def _open_through_daemon(loc: str, cfg: Config, copy_threads: int | None) -> Sto
     home = open_home(location)
     stager = DaemonStager(client, location, home, cfg)
     try:
-        return Store(root, "r", copy_threads=copy_threads, source=stager)
+        store = Store(root, "r", copy_threads=copy_threads, source=stager)
+        if cfg.tiers:  # (the daemon's tiers, as far as this process's config knows them)
+            store.max_open_shards = max_open_within(cfg.tiers[0].budget, store.manifest.shards, stager.max_open)
+        return store
     except BaseException:
         stager.close()
         raise

@@ -54,6 +54,7 @@ from ..store.shards import OpenedCopy
 from . import policy
 from .fetch import Fetcher
 from .homes import Home
+from .orders import SharedOrders
 from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
 
 NEED_WAIT = EVICT_GRACE + 1.0  # how long a shard a reader needs now waits for room that is about to free up
@@ -113,9 +114,10 @@ class Engine:
     """Stages shards into tiers on demand and ahead of announced orders."""
 
     def __init__(self, config: Config, *, workers: int = 3, part_size: int = 8 << 20, parts_in_flight: int = 8,
-                 prefetch: bool = True, lookahead: int = 16, verify_content: bool = False,
-                 probe_open: bool = False) -> None:
-        """lookahead: shards fetched ahead of a reader (two windows of the default sampler);
+                 prefetch: bool = True, lookahead: int = 16, lookahead_share: float = policy.LOOKAHEAD_SHARE,
+                 verify_content: bool = False, probe_open: bool = False) -> None:
+        """lookahead: shards fetched ahead of a reader (two windows of the default sampler), at
+        most `lookahead_share` of a tier (policy.prefetch_depth);
         the rest of each budget keeps what is needed soonest, e.g. the next epoch's first shards.
         verify_content: hash every copy's decompressed bytes too (kvdatad: copies are shared
         by users who do not trust each other's homes, see fetch.Fetcher).
@@ -131,7 +133,7 @@ class Engine:
             except OSError as e:
                 t.fail(e.strerror or str(e))
         self.part_size, self.parts_in_flight, self.prefetch = part_size, parts_in_flight, prefetch
-        self.lookahead = lookahead
+        self.lookahead, self.lookahead_share = lookahead, lookahead_share
         self._parts = ThreadPoolExecutor(max(4, parts_in_flight * workers), thread_name_prefix="kvdata-part")
         self._jobs = ThreadPoolExecutor(workers, thread_name_prefix="kvdata-stage")
         self._workers = workers
@@ -156,6 +158,7 @@ class Engine:
         self._aware_readers: dict[str, set[str]] = {}  # reader -> keys of the datasets it announced
         self._views: tuple[float, dict[str, _TierView]] = (0.0, {})
         self._claim_pid = os.getpid()
+        self._orders = SharedOrders()  # announced orders published in the tiers, ours and other processes'
 
     # ------------------------------------------------------------ budgets and lookup
 
@@ -617,6 +620,7 @@ class Engine:
         while True:
             with self._lock:
                 demands = list(self._demands.values())
+            demands += self._orders.others(tier)
             with tier.budget_lock():
                 tier.reclaim_abandoned()
                 fits, soon = self._evict_until_fits(tier, size, demands, self._pinned_now())
@@ -667,6 +671,7 @@ class Engine:
                 self._datasets[key].active = True
         if keys != before or idle:
             self._update_claims()
+        self._orders.publish(self.tiers, reader, [e.sha256 for e in entries], position)
         if self.prefetch:
             self._replan()
 
@@ -676,6 +681,7 @@ class Engine:
             if d is None or d.position == position:
                 return
             self._demands[reader] = policy.Demand(d.sequence, position)
+        self._orders.move(reader, position)
         if self.prefetch:
             self._replan()
 
@@ -683,6 +689,7 @@ class Engine:
         with self._lock:
             self._demands.pop(reader, None)
             had = self._aware_readers.pop(reader, None)
+        self._orders.withdraw(reader)
         if had:
             self._update_claims()
 
@@ -718,14 +725,19 @@ class Engine:
             demands = list(self._demands.values())
             sizes = {sha: k.entry.bytes for sha, k in self._known.items()}
             busy = len(self._inflight)
+        wanted = {sha for d in demands for sha in d.sequence}
+        shard_bytes = sum(sizes.get(sha, 0) for sha in wanted) / max(1, len(wanted))
         pinned = self._pinned_now()
         self.trim(demands, pinned)
         for tier in reversed(self.tiers):  # fill slow tiers from home first, then promote
             if not tier.healthy():
                 continue
             resident = tier.resident()
-            in_use = pinned | tier.held(list(resident)) | self.protected(tier, resident)
-            plan = policy.plan_tier(tier.budget, sizes, resident, demands, in_use=in_use, lookahead=self.lookahead)
+            kept = self.protected(tier, resident)  # random-order resident sets: not ours to plan with
+            in_use = pinned | tier.held(list(resident)) | kept
+            room = tier.budget - sum(resident.get(s, 0) for s in kept)
+            depth = policy.prefetch_depth(self.lookahead, room, shard_bytes, self.lookahead_share)
+            plan = policy.plan_tier(tier.budget, sizes, resident, demands, in_use=in_use, lookahead=depth)
             for sha in plan.stage:
                 if busy >= 2 * self._workers:
                     return
@@ -756,7 +768,7 @@ class Engine:
                 demands = list(self._demands.values())
         pinned = self._pinned_now() if pinned is None else pinned
         for tier in self.tiers:
-            self._evict_until_fits(tier, 0, demands, pinned)
+            self._evict_until_fits(tier, 0, demands + self._orders.others(tier), pinned)
 
     def evict(self, entries: list[ShardEntry], tier: str | None = None) -> int:
         """Drop staged copies of these shards (not ones being read); returns how many."""
@@ -795,6 +807,7 @@ class Engine:
         self._closed = True
         if abort:
             self._abort.set()
+        self._orders.close()
         if os.getpid() == self._claim_pid:
             with self._lock:
                 held = [fd for d in self._datasets.values() for _n, fd in d.claims.values()]

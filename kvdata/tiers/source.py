@@ -11,14 +11,21 @@ from .engine import Engine
 from .homes import Home
 
 MAX_OPEN = 16          # staged shards a reader keeps mapped, at most
-TIER_SHARE = 3         # ... and at most 1/TIER_SHARE of the fastest tier, so prefetching has room
+TIER_SHARE = 8          # ... and at most 1/TIER_SHARE of the fastest tier, so prefetching and keeping have room
 
 
 def max_open_for(engine: Engine, shards: Sequence[ShardEntry]) -> int:
     """Shards a reader keeps mapped (and so un-evictable): at most a third of the fastest
     tier, so prefetching always has room."""
+    return max_open_within(engine.tiers[0].budget, shards, MAX_OPEN)
+
+
+def max_open_within(budget: int, shards: Sequence[ShardEntry], cap: int) -> int:
+    """At most `cap` shards mapped, and at most 1/TIER_SHARE of a tier of `budget` bytes: a
+    mapped copy cannot be evicted, so a reader holding more would leave the tier no room to
+    keep what the next epoch reads first (every process reading the dataset holds its own)."""
     largest = max((e.bytes for e in shards), default=1)
-    return max(1, min(MAX_OPEN, engine.tiers[0].budget // max(largest, 1) // TIER_SHARE))
+    return max(1, min(cap, budget // max(largest, 1) // TIER_SHARE))
 
 
 class EngineSource:

@@ -370,6 +370,69 @@ class Tier:
                 os.close(fd)
         return out
 
+    def publish(self, name: str, data: bytes) -> int:
+        """Write `data` to `locks/claims-<uid>/<name>` and hold a shared flock on it for as
+        long as the returned descriptor stays open (like `claim`). The file is flocked before
+        it gets its name, so a live publisher's file is never taken for a dead one's."""
+        d = self._claims_dir(create=True)
+        tmp = d / f".{name}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            view = memoryview(data)
+            while view:
+                view = view[os.pwrite(fd, view, len(data) - len(view)):]
+            os.rename(tmp, d / name)
+            return fd
+        except BaseException:
+            os.close(fd)
+            unlink_quiet(tmp)
+            raise
+
+    def withdraw(self, name: str, fd: int) -> None:
+        """Remove a file `publish` made (if `fd` still is it) and let its flock go."""
+        try:
+            p = self._claims_dir(create=False) / name
+            st, now = os.fstat(fd), os.lstat(p)
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                unlink_quiet(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def published(self, prefix: str) -> Iterator[tuple[str, int, os.stat_result]]:
+        """(name, an open read-only descriptor, its stat) for each of this uid's files in the
+        claims directory whose name starts with `prefix` and that a live process holds; a
+        file nobody holds any more (its publisher died) is removed. Descriptors are closed
+        when the iteration moves on."""
+        try:
+            d = self._claims_dir(create=False)
+            found = [n for n in os.listdir(d) if n.startswith(prefix)]
+        except OSError:
+            return
+        for n in found:
+            try:
+                fd = os.open(d / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    yield n, fd, st
+                    continue
+                now = os.lstat(d / n)
+                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                    unlink_quiet(d / n)  # its publisher is gone (a live one holds it from before its name)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+
     @contextmanager
     def budget_lock(self) -> Iterator[None]:
         """Cross-process, this uid: reservations (count, evict, create the temp) one at a time."""

@@ -27,6 +27,7 @@ import msgpack
 import pytest
 
 import kvdata
+from kvdata.errors import KVDataError
 from kvdata.protocol import MAX_FRAME, TYPES, Client
 from kvdata.tiers.push import push
 
@@ -467,6 +468,10 @@ def _hostile_messages(ds: str, bad_ds: str) -> list[dict]:
     for position in (-1, True, "0", 1.5, None):
         out.append({"t": "announce", "id": 6, "dataset": ds, "reader": "r", "shards": [0], "position": position})
         out.append({"t": "progress", "id": 6, "reader": "r", "position": position})
+    for progress in ("r", 5, {"r": 1}, [["r"]], [["r", -1]], [["r", "1"]], [["", 1]], [["r", 1, 2]], [[None, 0]],
+                     [["r", 0]] * 65, [["x" * 300, 0]]):  # positions a need/want carries (held-back progress)
+        out.append({"t": "need", "id": 8, "dataset": ds, "shard": 0, "progress": progress})
+        out.append({"t": "want", "id": 8, "dataset": ds, "shards": [], "progress": progress})
     for tier in ("nope", "../ram", "", 5, ["ram"]):
         out.append({"t": "stage", "id": 7, "dataset": ds, "tier": tier})
         out.append({"t": "evict", "id": 7, "dataset": ds, "tier": tier})
@@ -771,3 +776,19 @@ def test_reader_right_after_a_rewrite_is_never_served_stale_copies(kit: Kit, mon
         assert got == [(i + attempt) % 251 for i in range(64)], f"attempt {attempt}: stale samples served"
     for t in kit.tiers.values():
         tier_files(t)  # the copies themselves are all content-addressed
+
+
+def test_a_need_carries_held_back_progress_and_bad_positions_are_refused(kit: Kit) -> None:
+    """A reader reports progress at most every PROGRESS_INTERVAL; positions held back go with
+    its next need/want (`progress`: [[reader, position], ...]), validated like `progress`."""
+    home = build_dataset(kit.root / "home", n=48)
+    d = kit.daemon()
+    with d.client() as c:
+        c.request("announce", dataset=loc(home), reader="job", shards=[0, 1, 2], position=0)
+        c.request("need", dataset=loc(home), shard=1, progress=[["job", 1]])
+        c.request("want", dataset=loc(home), shards=[], progress=[["job", 2]])
+        for bad in ([["job", -1]], [["job"]], "job", [["", 0]], [["job", 0]] * 65):
+            with pytest.raises(KVDataError, match="progress|position|reader"):
+                c.request("need", dataset=loc(home), shard=0, progress=bad)
+        assert c.request("status")["readers"] == 1
+    assert d.terminate() == 0

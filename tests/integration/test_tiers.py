@@ -263,7 +263,7 @@ def test_eviction_follows_the_announced_order(homes: Homes, tmp_path: Path) -> N
     sha = {id(v): k for k, v in zip("xabcdef", same[:7])}
     cfg = tiers_config(tmp_path / "tiers", ("ssd", 4 * size))
     home = open_home(homes.urls["s3"])
-    eng = Engine(cfg, workers=1)
+    eng = Engine(cfg, workers=1, lookahead_share=1.0)  # prefetch the whole budget ahead: the order alone decides
     tier = eng.tiers[0]
 
     def resident() -> set[str]:
@@ -301,7 +301,7 @@ def test_prefetch_with_parallel_workers_stays_within_budget(homes: Homes, tmp_pa
     budget = 4 * src.largest
     cfg = tiers_config(tmp_path / "tiers", ("ssd", budget))
     home = open_home(homes.urls["http"])
-    eng = Engine(cfg)
+    eng = Engine(cfg, lookahead_share=1.0)  # a 4-shard tier prefetching 4 ahead
     try:
         eng.announce("r0", home, src.entries, 0)
         wait_idle(eng)
@@ -525,6 +525,7 @@ def test_prefetch_goes_on_around_a_shard_held_by_a_reader(homes: Homes, tmp_path
         rng = sample_range(src, int(held["id"]))
         assert records(st, rng) == [src.ref[i] for i in rng]
         eng = st.engine
+        eng.lookahead_share = 1.0  # a 4-shard tier prefetching the whole budget ahead: the order alone decides
         eng.announce("other", st.home, others, 0)
         for pos in range(0, 5):
             eng.progress("other", pos)

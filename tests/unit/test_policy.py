@@ -210,3 +210,13 @@ def test_plan_is_deterministic(budget: int) -> None:
     demands = [Demand(SEQ, 1), Demand(tuple(reversed(SEQ)), 2)]
     plans = {tuple(plan_tier(budget, ONE, {"x": 1, "c": 1}, demands).stage) for _ in range(5)}
     assert len(plans) == 1
+
+
+def test_prefetch_depth_is_at_most_a_quarter_of_the_room() -> None:
+    from kvdata.tiers.policy import prefetch_depth
+
+    assert prefetch_depth(16, room=1000 * 100, shard_bytes=100) == 16      # a large tier: the lookahead
+    assert prefetch_depth(16, room=16 * 100, shard_bytes=100) == 4         # 16 shards of room: 4 ahead
+    assert prefetch_depth(16, room=2 * 100, shard_bytes=100) == 1          # at least one
+    assert prefetch_depth(16, room=0, shard_bytes=100) == 1
+    assert prefetch_depth(8, room=10**9, shard_bytes=0) == 8               # sizes unknown
