@@ -59,6 +59,7 @@ from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
 
 NEED_WAIT = EVICT_GRACE + 1.0  # how long a shard a reader needs now waits for room that is about to free up
 ROOM_POLL = 0.05
+CONGESTED_SECONDS = 10.0  # after no tier had room for a needed shard, unstaged shards are read by record this long
 MODE_TTL = 0.5  # seconds the tiers' claims (who reads which dataset how) are trusted before a rescan
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
@@ -158,6 +159,7 @@ class Engine:
         self._aware_readers: dict[str, set[str]] = {}  # reader -> keys of the datasets it announced
         self._views: tuple[float, dict[str, _TierView]] = (0.0, {})
         self._claim_pid = os.getpid()
+        self._congested_until = 0.0  # see CONGESTED_SECONDS
         self._orders = SharedOrders()  # announced orders published in the tiers, ours and other processes'
 
     # ------------------------------------------------------------ budgets and lookup
@@ -259,6 +261,10 @@ class Engine:
             self._fetched(entry)
             return local, False
         if full:
+            # every tier is full of copies readers hold: for a while, shards not staged are read
+            # record by record (wants_whole) rather than fetched whole into private copies that
+            # are thrown away after use -- each worker fetching its own, again and again
+            self._congested_until = time.monotonic() + CONGESTED_SECONDS
             return self._private_copy(home, entry), False
         raise last or KVDataError("no cache tier is usable (see `kvdata status`); fix the tier directories")
 
@@ -309,7 +315,10 @@ class Engine:
         local = home.local_path(f"shards/{entry.name}")
         if local is not None and not self.config.stage_local and local.exists():
             return True
-        return bool(self._tiers_for(entry))
+        tiers = self._tiers_for(entry)
+        if tiers and local is None and time.monotonic() < self._congested_until:
+            return any(t.has(entry.sha256) for t in tiers)  # no room to keep it: read its records
+        return bool(tiers)
 
     def mode(self, key: str) -> str:
         """policy.SHARD_AWARE when some reader (of this process or another, or a client of

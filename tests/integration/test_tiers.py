@@ -642,3 +642,35 @@ def test_sigkilled_staging_leaves_no_partial_file_and_resumes(homes: Homes, tmp_
         assert records(st) == src.ref
         assert st.engine.status()["bytes_from_home"] == 0
     assert time.monotonic() - t_start < 40
+
+
+def test_a_tier_full_of_held_copies_sends_reads_record_by_record(homes: Homes, tmp_path: Path) -> None:
+    """A shard-aware reader whose tier is full of copies readers hold (no room to keep another
+    shard) reads the shards it has no copy of record by record for a while, not as whole
+    private copies fetched again by every process: the values are the same, and no more
+    private copies are made once the first one found the tier full."""
+    src = homes.src
+    size = src.largest
+    full = [e for e in src.entries if int(e["bytes"]) == size]
+    assert len(full) >= 3
+    cfg = tiers_config(tmp_path / "tiers", ("ssd", size))  # room for one shard
+    st = open_dataset(homes.urls["http"], config=cfg)
+    try:
+        eng = st.engine
+        by_id = {e.id: e for e in st.manifest.shards}
+        held, second, third = (by_id[int(e["id"])] for e in full[:3])
+        eng.announce("r0", st.home, [held, second, third], 0)  # shard-aware
+        rng_held = sample_range(src, held.id)
+        assert records(st, rng_held) == [src.ref[i] for i in rng_held]  # staged, and mapped by the reader
+        assert all(st.source.wants_whole(e) for e in (held, second, third))
+        rng2 = sample_range(src, second.id)
+        assert records(st, rng2) == [src.ref[i] for i in rng2]  # no room beside the held copy: a private copy
+        assert eng.status()["private_copies"] == 1
+        assert st.source.wants_whole(held) and not st.source.wants_whole(third)
+        rng3 = sample_range(src, third.id)
+        assert records(st, rng3) == [src.ref[i] for i in rng3]  # record by record
+        assert eng.status()["private_copies"] == 1, "a whole private copy was fetched for a congested tier"
+        assert set(Tier(cfg.tiers[0]).resident()) == {held.sha256}
+    finally:
+        st.close()
+    check_tier_files(cfg)
