@@ -408,9 +408,13 @@ class Tier:
         when the iteration moves on."""
         try:
             d = self._claims_dir(create=False)
-            found = [n for n in os.listdir(d) if n.startswith(prefix)]
+            listed = os.listdir(d)
         except OSError:
             return
+        found = [n for n in listed if n.startswith(prefix)]
+        for n in listed:  # a publisher killed before its file got its name left the temp name
+            if n.startswith(f".{prefix}"):
+                self._remove_unheld(d / n)
         for n in found:
             try:
                 fd = os.open(d / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -432,6 +436,23 @@ class Tier:
                 continue
             finally:
                 os.close(fd)
+
+    @staticmethod
+    def _remove_unheld(p: Path) -> None:
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st, now = os.fstat(fd), os.lstat(p)
+            old = time.time() - st.st_mtime > 10.0  # not one being published right now (created, not yet locked)
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino) and st.st_uid == os.geteuid() and old:
+                unlink_quiet(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     @contextmanager
     def budget_lock(self) -> Iterator[None]:

@@ -212,3 +212,19 @@ def test_a_worker_process_makes_room_by_the_main_processes_order(tmp_path: Path)
     finally:
         store.close()
         main.close()
+
+
+def test_a_publisher_killed_before_naming_its_file_leaves_nothing_behind(tmp_path: Path) -> None:
+    t = make_tier(tmp_path)
+    mine = SharedOrders()
+    mine.publish([t], "r", SHAS, 0)  # creates the claims directory
+    d = claims_dir(t)
+    stale = d / f".order-{os.geteuid()}-999999-0.abcd1234"
+    stale.write_bytes(b"half written")
+    old = time.time() - 60
+    os.utime(stale, (old, old))
+    fresh = d / f".order-{os.geteuid()}-999998-0.abcd1234"  # maybe being published right now: left alone
+    fresh.write_bytes(b"")
+    SharedOrders().others(t)
+    assert not stale.exists() and fresh.exists()
+    mine.close()
