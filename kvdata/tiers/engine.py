@@ -237,7 +237,7 @@ class Engine:
         """Stage into the fastest healthy tier (of `tiers`) with room; a tier that fails is
         reported and skipped. No room anywhere: read the home in place, or a private copy in memory."""
         last: BaseException | None = None
-        full = False
+        full = no_room = False
         for tier in self.tiers if tiers is None else tiers:
             if not tier.healthy():
                 full = full or tier.untrusted() is not None  # skipped for its permissions: read around it
@@ -252,7 +252,7 @@ class Engine:
                     # we waited on a prefetch of this shard that gave up: a reader needs it now
                     return self._stage_job(home, entry, tier, True), True
             except NoRoomError:
-                full = True
+                full = no_room = True
             except TierFailedError as e:
                 last = e
         local = home.local_path(f"shards/{entry.name}")
@@ -261,10 +261,11 @@ class Engine:
             self._fetched(entry)
             return local, False
         if full:
-            # every tier is full of copies readers hold: for a while, shards not staged are read
-            # record by record (wants_whole) rather than fetched whole into private copies that
-            # are thrown away after use -- each worker fetching its own, again and again
-            self._congested_until = time.monotonic() + CONGESTED_SECONDS
+            if no_room:
+                # the tiers are full of copies readers hold: for a while, shards not staged are read
+                # record by record (wants_whole) rather than fetched whole into private copies that
+                # are thrown away after use -- each worker fetching its own, again and again
+                self._congested_until = time.monotonic() + CONGESTED_SECONDS
             return self._private_copy(home, entry), False
         raise last or KVDataError("no cache tier is usable (see `kvdata status`); fix the tier directories")
 
