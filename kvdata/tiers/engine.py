@@ -14,7 +14,9 @@ tier's budget lock before a byte is fetched (kvdata.tiers.tier: copies plus temp
 flight, evicting to fit). A shard that no tier has room for -- larger than every budget,
 or every tier full of copies that readers hold -- is not staged: it is read where it lies
 (a local home), or fetched, verified, into a private sealed copy in memory that only this
-reader maps.
+reader maps; and for CONGESTED_SECONDS after that, shards this engine finds unstaged are read
+record by record (wants_whole), so readers that together need more shards at once than the
+tier holds do not each fetch whole copies only to throw them away.
 
 Which shards a tier holds is decided by kvdata.policy from the orders readers
 announce: prefetch the next-needed shards that fit, evict the furthest.
