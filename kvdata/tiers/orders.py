@@ -52,21 +52,23 @@ class SharedOrders:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._serial = itertools.count()
-        self._mine: dict[str, list[tuple[Tier, str, int]]] = {}  # reader -> (tier, file name, fd)
+        self._mine: dict[str, tuple[int, list[tuple[Tier, str, int]]]] = {}  # reader -> (count, [(tier, name, fd)])
         self._seen: dict[tuple[str, str, int], tuple[str, ...]] = {}  # (tier dir, name, inode) -> order
 
     def _prefix(self) -> str:
         return f"order-{os.geteuid()}-"
 
-    def _check_fork(self) -> list[int]:
-        """A forked child inherits its parent's descriptors but not its orders: it closes its
-        copies (the parent's flocks stay, the parent still holds them) and forgets them."""
+    def _settle(self) -> None:
+        """After a fork (call with the lock held): the child inherited its parent's descriptors
+        but not its orders, so it closes its copies (the parent still holds its flocks) and
+        forgets them."""
         if os.getpid() == self._pid:
-            return []
-        fds = [fd for held in self._mine.values() for _t, _n, fd in held]
+            return
+        for _count, held in self._mine.values():
+            for _t, _n, fd in held:
+                os.close(fd)
         self._mine = {}
         self._pid = os.getpid()
-        return fds
 
     def publish(self, tiers: Sequence[Tier], reader: str, sequence: Sequence[str], position: int) -> None:
         """Publish (or replace) `reader`'s order in each of `tiers` (best effort: a tier that
@@ -80,42 +82,34 @@ class SharedOrders:
             except OSError:
                 continue
         with self._lock:
-            stale = self._check_fork()
-            old = self._mine.pop(reader, [])
-            self._mine[reader] = made
-        for fd in stale:
-            os.close(fd)
+            self._settle()
+            _count, old = self._mine.pop(reader, (0, []))
+            self._mine[reader] = (len(sequence), made)
         for t, name, fd in old:
             t.withdraw(name, fd)
 
     def move(self, reader: str, position: int) -> None:
         with self._lock:
-            stale = self._check_fork()
-            held = list(self._mine.get(reader, ()))
-        for fd in stale:
-            os.close(fd)
+            self._settle()
+            count, held = self._mine.get(reader, (0, []))
+        head = _header(min(position, count), count)
         for _t, _name, fd in held:
             try:
-                count = (os.fstat(fd).st_size - HEADER) // 32
-                os.pwrite(fd, _header(min(position, count), count), 0)
+                os.pwrite(fd, head, 0)
             except OSError:
                 pass
 
     def withdraw(self, reader: str) -> None:
         with self._lock:
-            stale = self._check_fork()
-            held = self._mine.pop(reader, [])
-        for fd in stale:
-            os.close(fd)
+            self._settle()
+            _count, held = self._mine.pop(reader, (0, []))
         for t, name, fd in held:
             t.withdraw(name, fd)
 
     def close(self) -> None:
         with self._lock:
-            stale = self._check_fork()
+            self._settle()
             readers = list(self._mine)
-        for fd in stale:
-            os.close(fd)
         for r in readers:
             self.withdraw(r)
 
