@@ -161,7 +161,7 @@ class Service:
             with self._lock:
                 still = {k for c in self.clients.values() for k in c.using}
             for key in st.using - still:  # nobody reads it now: its resident set is not kept any more
-                self.engine.deactivate(key)
+                self.engine.modes.deactivate(key)
 
     def _client(self, cid: int | None) -> ClientState:
         with self._lock:
@@ -215,8 +215,8 @@ class Service:
         """How the dataset is read (reply fields of an empty `want`): "shard-aware", or
         "random" with the largest sha256 of its resident set (a shard with a sha256 <= it is
         kept whole; every other one is read record by record)."""
-        self.engine.activate([ds.key])
-        return {"mode": self.engine.mode(ds.key), "resident_below": self.engine.resident_threshold(ds.key)}
+        self.engine.modes.activate([ds.key])
+        return {"mode": self.engine.modes.mode(ds.key), "resident_below": self.engine.modes.resident_threshold(ds.key)}
 
     def _shared(self, loc: str, uid: int) -> OpenDataset:
         with self._lock:

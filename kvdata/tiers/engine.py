@@ -21,16 +21,11 @@ tier holds do not each fetch whole copies only to throw them away.
 Which shards a tier holds is decided by kvdata.policy from the orders readers
 announce: prefetch the next-needed shards that fit, evict the furthest.
 
-**Unannounced orders.** A dataset read while nobody announced an order for it (DataLoader
-(shuffle=True), any sampler but ShardShuffleSampler) is read in *random* mode: each tier keeps
-a fixed resident set of its whole shards (lowest sha256 first, up to the tier's share:
-policy.random_quotas), never evicted while the dataset is read so; every other shard is not
-staged (`wants_whole` says False, so the reader reads its records one by one; a reader that
-stages it whole anyway gets a private copy in memory that no tier keeps). Which datasets are
-read, and how, is shared by every process of this uid through claim files in each tier's
-locks directory (flocked while held; Tier.claim/claims): a DataLoader worker sees the
-sampler's announcement in the main process, and an engine never evicts another process's
-resident set (whose threshold sha256 the claim file carries).
+**Unannounced orders.** A dataset read while nobody announced an order for it is read in
+*random* mode (kvdata.tiers.claims.ReadModes): each tier keeps a fixed resident set of its whole
+shards, never evicted while the dataset is read so; every other shard is not staged
+(`wants_whole` says False, so the reader reads its records one by one; a reader that stages it
+whole anyway gets a private copy in memory that no tier keeps).
 """
 
 from __future__ import annotations
@@ -54,6 +49,7 @@ from ..errors import ConfigError, KVDataError, NoRoomError, StagingAbortedError,
 from ..format import ShardEntry
 from ..store.shards import OpenedCopy
 from . import policy
+from .claims import ORDER_PREFIX_SHARDS, ReadModes
 from .fetch import Fetcher
 from .homes import Home
 from .orders import SharedOrders
@@ -62,7 +58,6 @@ from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
 NEED_WAIT = EVICT_GRACE + 1.0  # how long a shard a reader needs now waits for room that is about to free up
 ROOM_POLL = 0.05
 CONGESTED_SECONDS = 10.0  # after no tier had room for a needed shard, unstaged shards are read by record this long
-MODE_TTL = 0.5  # seconds the tiers' claims (who reads which dataset how) are trusted before a rescan
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
@@ -87,30 +82,6 @@ class _Known:
     entry: ShardEntry
 
 
-@dataclass
-class _Dataset:
-    """A dataset this engine reads shards of (for the policy for unannounced orders)."""
-
-    key: str
-    label: str
-    by_sha: list[tuple[str, int]]   # (sha256, bytes) of its shards, in sha256 order
-    total: int
-    active: bool = False            # read since opened (it then claims its mode in the tiers)
-    from_home: int = 0              # bytes of whole shards read from its home (staged, private copies, in
-                                    # place); record reads are in the engine's bytes_from_home only
-    claims: dict[str, tuple[str, int]] = field(default_factory=dict)  # tier -> (claim file name, descriptor)
-
-
-@dataclass
-class _TierView:
-    """What a tier's claims say (policy.random_quotas): the datasets read shard-aware, and the
-    resident sets of those read in random order."""
-
-    aware: set[str] = field(default_factory=set)
-    quota: dict[str, int] = field(default_factory=dict)       # random dataset key -> bytes of this tier
-    sets: dict[str, set[str]] = field(default_factory=dict)   # own random datasets -> resident shas
-    foreign: list[str] = field(default_factory=list)          # other processes' random sets: sha thresholds
-    labels: dict[str, tuple[int, str]] = field(default_factory=dict)  # claimed dataset key -> (bytes, name)
 
 
 class Engine:
@@ -156,11 +127,7 @@ class Engine:
         self._plan_event = threading.Event()
         self._planner: threading.Thread | None = None
         self._planner_pid = -1
-        self._datasets: dict[str, _Dataset] = {}
-        self._ds_of: dict[str, list[str]] = {}       # shard sha -> keys of the datasets holding it
-        self._aware_readers: dict[str, set[str]] = {}  # reader -> keys of the datasets it announced
-        self._views: tuple[float, dict[str, _TierView]] = (0.0, {})
-        self._claim_pid = os.getpid()
+        self.modes = ReadModes(lambda: self.tiers)  # who reads which dataset how (shard-aware, random)
         self._congested_until = 0.0  # see CONGESTED_SECONDS
         self._orders = SharedOrders()  # announced orders published in the tiers, ours and other processes'
 
@@ -274,40 +241,8 @@ class Engine:
     # ------------------------------------------------------------ the policy for unannounced orders
 
     def open_dataset(self, entries: Sequence[ShardEntry], label: str | None = None) -> str:
-        """Learn a dataset's shard list (its key: policy.dataset_key); returns the key. It is
-        claimed in the tiers (read shard-aware or in random order) once its shards are read."""
-        key = policy.dataset_key(e.sha256 for e in entries)
-        with self._lock:
-            d = self._datasets.get(key)
-            if d is None:
-                by_sha = sorted({(e.sha256, e.bytes) for e in entries})
-                d = self._datasets[key] = _Dataset(key, label or "", by_sha, sum(b for _s, b in by_sha))
-                for sha, _b in by_sha:
-                    keys = self._ds_of.setdefault(sha, [])
-                    if key not in keys:
-                        keys.append(key)
-            if label:
-                d.label = label
-        return key
-
-    def activate(self, keys: Sequence[str]) -> None:
-        """These datasets are being read through this engine: claim them in the tiers."""
-        with self._lock:
-            idle = [k for k in keys if k in self._datasets and not self._datasets[k].active]
-            for k in idle:
-                self._datasets[k].active = True
-        if idle:
-            self._update_claims()
-
-    def deactivate(self, key: str) -> None:
-        """Nobody reads this dataset through this engine any more (kvdatad: its last client
-        left): its claims go, so its resident set is no longer kept."""
-        with self._lock:
-            d = self._datasets.get(key)
-            if d is None or not d.active:
-                return
-            d.active = False
-        self._update_claims()
+        """Learn a dataset's shard list; its key (kvdata.tiers.claims.ReadModes)."""
+        return self.modes.open_dataset(entries, label)
 
     def wants_whole(self, home: Home, entry: ShardEntry) -> bool:
         """Whether a reader should read this shard through a whole copy: it is read in place,
@@ -323,185 +258,14 @@ class Engine:
             return any(t.has(entry.sha256) for t in tiers)  # no room to keep it: read its records
         return bool(tiers)
 
-    def mode(self, key: str) -> str:
-        """policy.SHARD_AWARE when some reader (of this process or another, or a client of
-        kvdatad) announced an order over this dataset, else policy.RANDOM."""
-        return policy.SHARD_AWARE if self._aware([key], self._tier_views()) else policy.RANDOM
-
-    def resident_threshold(self, key: str) -> str:
-        """The largest sha256 in this dataset's resident sets ("" when none): a shard of it is
-        resident iff its sha256 <= this (what kvdatad tells its clients)."""
-        views = self._tier_views()
-        members = [v.sets.get(key, set()) for v in views.values()]
-        return max((max(m) for m in members if m), default="")
-
-    def datasets_status(self) -> list[dict[str, Any]]:
-        """How each dataset this engine reads is read: mode, and in random mode its resident set."""
-        views = self._tier_views()
-        with self._lock:
-            active = [d for d in self._datasets.values() if d.active]
-        out = []
-        for d in active:
-            aware = self._aware([d.key], views)
-            members: set[str] = set()
-            quota = 0
-            if not aware:
-                for v in views.values():
-                    members |= v.sets.get(d.key, set())
-                    quota += v.quota.get(d.key, 0)
-            sizes = dict(d.by_sha)
-            out.append({"dataset": d.label or d.key, "key": d.key,
-                        "mode": policy.SHARD_AWARE if aware else policy.RANDOM,
-                        "shards": len(d.by_sha), "bytes": d.total, "resident_shards": len(members),
-                        "resident_bytes": sum(sizes[s] for s in members),
-                        "resident_staged": sum(self.fastest_copy(s) is not None for s in members),
-                        "resident_budget": quota, "shard_bytes_from_home": d.from_home})
-        mine = {d.key for d in active}
-        others: dict[str, tuple[int, str]] = {}
-        for v in views.values():
-            for k, got in v.labels.items():
-                if k not in mine:
-                    others.setdefault(k, got)
-        for k, (total, label) in sorted(others.items()):  # read by other processes of this uid
-            aware = any(k in v.aware for v in views.values())
-            out.append({"dataset": label or k, "key": k, "mode": policy.SHARD_AWARE if aware else policy.RANDOM,
-                        "shards": None, "bytes": total, "resident_shards": None, "resident_bytes": None,
-                        "resident_staged": None,
-                        "resident_budget": 0 if aware else sum(v.quota.get(k, 0) for v in views.values())})
-        return out
-
     def _name(self, home: Home, entry: ShardEntry) -> None:
-        """Name a dataset by its home in status (the first home its shards are read from)."""
-        with self._lock:
-            for k in self._ds_of.get(entry.sha256, ()):
-                d = self._datasets[k]
-                if not d.label:
-                    d.label = str(getattr(home, "url", "") or "")
+        self.modes.name(str(getattr(home, "url", "") or ""), entry.sha256)
 
     def _fetched(self, entry: ShardEntry) -> None:
-        with self._lock:
-            for k in self._ds_of.get(entry.sha256, ()):
-                self._datasets[k].from_home += entry.bytes
-
-    def _aware(self, keys: Sequence[str], views: dict[str, _TierView]) -> bool:
-        with self._lock:
-            if any(k in ks for ks in self._aware_readers.values() for k in keys):
-                return True
-        return any(k in v.aware for v in views.values() for k in keys)
+        self.modes.fetched(entry)
 
     def _tiers_for(self, entry: ShardEntry) -> list[Tier]:
-        """The tiers a shard may be staged into: all of them for a shard-aware (or unknown)
-        dataset; for a random-order one, the tiers whose resident set holds it (maybe none)."""
-        sha = entry.sha256
-        with self._lock:
-            keys = list(self._ds_of.get(sha, ()))
-        if not keys:
-            return list(self.tiers)
-        self.activate(keys)
-        views = self._tier_views()
-        if self._aware(keys, views):
-            return list(self.tiers)
-        return [t for t in self.tiers if t.name in views and any(sha in views[t.name].sets.get(k, ()) for k in keys)]
-
-    def protected(self, tier: Tier, resident: dict[str, int] | None = None) -> set[str]:
-        """Copies in this tier that belong to random-order datasets' resident sets (ours, and
-        other processes' by their claimed thresholds): never evicted while so read."""
-        v = self._tier_views().get(tier.name)
-        if v is None:
-            return set()
-        out: set[str] = set().union(*v.sets.values()) if v.sets else set()
-        if v.foreign:
-            top = max(v.foreign)
-            out |= {s for s in (tier.resident() if resident is None else resident) if s <= top}
-        return out
-
-    def _check_fork(self) -> None:
-        if os.getpid() != self._claim_pid:  # the parent's claims are its own (inherited descriptors stay)
-            with self._lock:
-                for d in self._datasets.values():
-                    d.claims = {}
-                self._views = (0.0, {})
-                self._claim_pid = os.getpid()
-
-    def _update_claims(self) -> None:
-        """Hold, in every tier, one claim per dataset this engine reads: `.aware` when this
-        process announced an order over it, else `.random` (content: its size and resident
-        threshold, rewritten by _tier_views)."""
-        self._check_fork()
-        uid = os.geteuid()
-        with self._lock:
-            aware = {k for ks in self._aware_readers.values() for k in ks}
-            datasets = list(self._datasets.values())
-            tiers = list(self.tiers)
-        for d in datasets:
-            for t in tiers:
-                want = None if not d.active else f"use-{uid}-{d.key}." + ("aware" if d.key in aware else "random")
-                have = d.claims.get(t.name)
-                if have is not None and have[0] == want:
-                    continue
-                if have is not None:
-                    os.close(have[1])
-                    del d.claims[t.name]
-                if want is None:
-                    continue
-                try:
-                    fd = t.claim(want)
-                except OSError:
-                    continue
-                _write_claim(fd, d.total, "", d.label)
-                d.claims[t.name] = (want, fd)
-        self._views = (0.0, {})
-
-    def _tier_views(self) -> dict[str, _TierView]:
-        """Each tier's claims, rescanned at most every MODE_TTL seconds; our random-order
-        datasets' resident sets computed from them (and their thresholds written back)."""
-        now = time.monotonic()
-        until, views = self._views
-        if now < until and os.getpid() == self._claim_pid:
-            return views
-        self._check_fork()
-        with self._lock:
-            own = {k: d for k, d in self._datasets.items() if d.active}
-            tiers = list(self.tiers)
-        prefix = f"use-{os.geteuid()}-"
-        views = {}
-        for t in tiers:
-            v = _TierView()
-            try:
-                found = t.claims(prefix) if t.healthy() else {}
-            except OSError:
-                found = {}
-            totals: dict[str, int] = {}
-            thresholds: dict[str, str] = {}
-            for name, content in found.items():
-                key, _dot, kind = name[len(prefix):].partition(".")
-                got = _read_claim(content)
-                if got is not None:
-                    v.labels.setdefault(key, (got[0], got[2]))
-                if kind == "aware":
-                    v.aware.add(key)
-                elif kind == "random" and got is not None:
-                    totals[key], thresholds[key] = got[0], got[1]
-            for k in own:  # our claims may be missing from a tier whose locks directory failed
-                if k not in v.aware and k not in totals and k not in {a for ks in self._aware_readers.values()
-                                                                      for a in ks}:
-                    totals[k] = own[k].total
-            totals = {k: b for k, b in totals.items() if k not in v.aware}
-            v.quota = policy.random_quotas(t.budget, totals, bool(v.aware))
-            for k, q in v.quota.items():
-                d = own.get(k)
-                if d is None:
-                    if thresholds.get(k):
-                        v.foreign.append(thresholds[k])
-                    continue
-                members, last = policy.resident_set(d.by_sha, q)
-                v.sets[k] = members
-                held = d.claims.get(t.name)
-                if held is not None and held[0].endswith(".random"):
-                    _write_claim(held[1], d.total, last, d.label)
-            views[t.name] = v
-        self._views = (now + MODE_TTL, views)
-        return views
+        return self.modes.tiers_for(entry.sha256)
 
     def _private_copy(self, home: Home, entry: ShardEntry) -> OpenedCopy:
         """The shard fetched and verified into memory of this process (a memfd, sealed against
@@ -653,7 +417,7 @@ class Engine:
         temps = tier.temps()
         used = sum(resident.values()) + sum(temps.values())
         soon = bool(temps)
-        keep = pinned | self.protected(tier, resident)  # random-order datasets' resident sets stay
+        keep = pinned | self.modes.protected(tier, resident)  # random-order datasets' resident sets stay
         for victim in policy.eviction_order(resident, demands, in_use=keep):
             if used + incoming <= tier.budget:
                 break
@@ -675,14 +439,7 @@ class Engine:
                 self._known[e.sha256] = _Known(home, e)
         with self._lock:
             self._demands[reader] = policy.Demand(tuple(e.sha256 for e in entries), position)
-            keys = {k for e in entries[:64] for k in self._ds_of.get(e.sha256, ())}
-            before = self._aware_readers.get(reader, set())
-            self._aware_readers[reader] = keys
-            idle = [key for key in keys if not self._datasets[key].active]
-            for key in idle:  # a sampler that announces in the main process reads through its workers
-                self._datasets[key].active = True
-        if keys != before or idle:
-            self._update_claims()
+        self.modes.announced(reader, [e.sha256 for e in entries[:ORDER_PREFIX_SHARDS]])
         self._orders.publish(self.tiers, reader, [e.sha256 for e in entries], position)
         if self.prefetch:
             self._replan()
@@ -700,10 +457,8 @@ class Engine:
     def release(self, reader: str) -> None:
         with self._lock:
             self._demands.pop(reader, None)
-            had = self._aware_readers.pop(reader, None)
         self._orders.withdraw(reader)
-        if had:
-            self._update_claims()
+        self.modes.released(reader)
 
     def _replan(self) -> None:
         """Ask the planner thread to plan (coalesced): readers' threads never plan or scan."""
@@ -745,7 +500,7 @@ class Engine:
             if not tier.healthy():
                 continue
             resident = tier.resident()
-            kept = self.protected(tier, resident)  # random-order resident sets: not ours to plan with
+            kept = self.modes.protected(tier, resident)  # random-order resident sets: not ours to plan with
             in_use = pinned | tier.held(list(resident)) | kept
             room = tier.budget - sum(resident.get(s, 0) for s in kept)
             depth = policy.prefetch_depth(self.lookahead, room, shard_bytes, self.lookahead_share)
@@ -806,7 +561,8 @@ class Engine:
         lookups = s.hits + s.misses
         with self._lock:
             inflight = len(self._inflight)
-        return {"tiers": tiers, "datasets": self.datasets_status(), "random_misses": s.random_misses,
+        datasets = self.modes.status(lambda sha: self.fastest_copy(sha) is not None)
+        return {"tiers": tiers, "datasets": datasets, "random_misses": s.random_misses,
                 "hits": s.hits, "misses": s.misses, "hit_rate": s.hits / lookups if lookups else None,
                 "shards_staged": s.shards_staged, "bytes_staged": s.bytes_staged, "bytes_from_home": s.bytes_from_home,
                 "evictions": s.evictions, "home_reads": s.home_reads, "private_copies": s.private_copies,
@@ -820,33 +576,9 @@ class Engine:
         if abort:
             self._abort.set()
         self._orders.close()
-        if os.getpid() == self._claim_pid:
-            with self._lock:
-                held = [fd for d in self._datasets.values() for _n, fd in d.claims.values()]
-                for d in self._datasets.values():
-                    d.claims = {}
-            for fd in held:
-                os.close(fd)
+        self.modes.close()
         self._plan_event.set()
         if self._planner is not None and self._planner_pid == os.getpid():
             self._planner.join(timeout=10)
         self._jobs.shutdown(wait=True, cancel_futures=True)
         self._parts.shutdown(wait=True, cancel_futures=True)
-
-
-def _write_claim(fd: int, total: int, threshold: str, label: str) -> None:
-    """A claim's content: the dataset's bytes, its resident set's largest sha256 ("-": none,
-    or read shard-aware) and what it is called (for `kvdata status` in another process)."""
-    data = f"{total} {threshold or '-'} {label[:150]}\n".encode(errors="replace")[:255]
-    try:
-        os.pwrite(fd, data.ljust(256), 0)
-    except OSError:
-        pass
-
-
-def _read_claim(content: bytes) -> tuple[int, str, str] | None:
-    parts = content.decode("utf-8", "replace").strip().split(" ", 2)
-    if not parts[0].isdigit():
-        return None
-    thr = parts[1] if len(parts) > 1 and parts[1] != "-" else ""
-    return int(parts[0]), thr, parts[2].strip() if len(parts) > 2 else ""
