@@ -40,7 +40,7 @@ from typing import Any
 from kvdata._util.digest import is_sha256
 from kvdata.config import Config, normalize_home_url
 from kvdata.errors import BadRequest, ConfigError, NotAllowed, RemoteError, StaleManifest
-from kvdata.protocol import MAX_FDS, PROTOCOL_VERSION, SHARD_KINDS, close_fds
+from kvdata.protocol import MAX_FDS, PROTOCOL_VERSION, SHARD_KINDS, close_fds, pack_flags
 from kvdata.tiers import Manifest, ShardEntry
 from kvdata.tiers.engine import Engine
 from kvdata.tiers.fetch import content_matches
@@ -215,8 +215,13 @@ class Service:
         """How the dataset is read (reply fields of an empty `want`): "shard-aware", or
         "random" with the largest sha256 of its resident set (a shard with a sha256 <= it is
         kept whole; every other one is read record by record)."""
-        self.engine.modes.activate([ds.key])
-        return {"mode": self.engine.modes.mode(ds.key), "resident_below": self.engine.modes.resident_threshold(ds.key)}
+        modes = self.engine.modes
+        modes.activate([ds.key])
+        reply: dict[str, Any] = {"mode": modes.mode(ds.key), "resident_below": modes.resident_threshold(ds.key)}
+        if self.engine.congested():  # no room for a needed shard lately: read what is not staged by record
+            reply["congested"] = True
+            reply["staged"] = pack_flags(self.engine.staged([e.sha256 for e in ds.manifest.shards]))
+        return reply
 
     def _shared(self, loc: str, uid: int) -> OpenDataset:
         with self._lock:
@@ -481,7 +486,10 @@ class Service:
         except BaseException:
             os.close(fd)
             raise
-        return {"path": str(path), "staged": staged, "_fds": [fd]}
+        reply: dict[str, Any] = {"path": str(path), "staged": staged, "_fds": [fd]}
+        if not staged and self.engine.congested():  # ask the read mode again (see _mode)
+            reply["congested"] = True
+        return reply
 
     def want(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:
         """A reader's batch needs these shards now: start staging them together (not awaited;

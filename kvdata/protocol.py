@@ -20,8 +20,8 @@ index (`open`). docs/SECURITY.md is the trust model.
 | open     | dataset (abs path, s3://, http(s)://) [fd: manifest] | root, generation, shards, files (+ fds) |
 | announce | dataset, reader, shards [int ids in order], position [ahead, fds] | -             |
 | progress | reader, position, stall (seconds, cumulative) [dataset, ahead, fds] | -          |
-| need     | dataset, shard (int id), sha256 [kind, fd: the shard file] | path, staged, fd: read-only copy |
-| want     | dataset, shards [[int id, sha256], ...] [kinds, fds] | started (staging begun now, not awaited) |
+| need     | dataset, shard (int id), sha256 [kind, fd: the shard file] | path, staged, fd: read-only copy, congested? |
+| want     | dataset, shards [[int id, sha256], ...] [kinds, fds] | started (staging begun now, not awaited); shards=[]: mode, resident_below, congested?, staged? |
 | release  | reader                                          | -                            |
 | stage    | dataset, tier (optional), wait (bool) [ahead, fds] | shards, queued            |
 | evict    | dataset, tier (optional)                        | evicted, kept                |
@@ -136,6 +136,21 @@ def close_fds(fds: Sequence[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def pack_flags(flags: Sequence[bool]) -> bytes:
+    """One bit per item, item i in byte i // 8, bit i % 8 (a reply's `staged`: which shards of
+    the dataset have a copy, by index in its manifest)."""
+    out = bytearray((len(flags) + 7) // 8)
+    for i, f in enumerate(flags):
+        if f:
+            out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def flag_set(flags: bytes, index: int) -> bool:
+    """Whether pack_flags set item `index` (False past the end: a shorter or stale field)."""
+    return 0 <= index < len(flags) * 8 and bool(flags[index >> 3] >> (index & 7) & 1)
 
 
 def _short(v: Any) -> str:

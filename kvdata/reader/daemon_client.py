@@ -14,13 +14,14 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import Config
 from ..errors import DaemonError, DaemonUnavailable, KVDataError
 from ..format import ShardEntry, names
-from ..protocol import MAX_FDS, Client, close_fds
+from ..protocol import MAX_FDS, Client, close_fds, flag_set
 from ..store.shards import OpenedCopy
 from ..tiers.engine import Engine
 from ..tiers.homes import Home, is_url
@@ -152,6 +153,16 @@ def open_root(client: Client, location: str) -> Path | None:
         close_fds(fds)
 
 
+@dataclass(frozen=True)
+class _ReadMode:
+    """How kvdatad said a dataset is read (the reply to an empty `want`)."""
+
+    when: float           # time.monotonic() of the reply
+    mode: str             # "shard-aware" or "random"
+    resident_below: str   # random mode: shards with a sha256 <= this are resident (read whole)
+    staged: bytes | None  # congested tiers: protocol.pack_flags of which shards have a copy; else None
+
+
 class DaemonStager:
     """The ShardSource (and engine interface: announce/progress/status) served by kvdatad."""
 
@@ -168,7 +179,7 @@ class DaemonStager:
         self._orders: dict[str, list[ShardEntry]] = {}  # reader -> announced order (files passed ahead)
         self._ahead: dict[str, set[int]] = {}           # reader -> shard ids whose files went ahead
         self.stall_seconds = 0.0  # time this process waited for shards: reported with progress
-        self._mode: tuple[float, str, str] | None = None  # (when, mode, resident_below) the daemon said
+        self._mode: _ReadMode | None = None  # what the daemon said of how the dataset is read
 
     @property
     def home(self) -> Home:
@@ -286,7 +297,8 @@ class DaemonStager:
         self.stall_seconds += time.monotonic() - t0
         if got is not None:
             reply, passed = got
-            self._note_mode(reply)
+            if reply.get("congested") is True and self._mode is not None and self._mode.staged is None:
+                self._mode = None  # the daemon found no room for it: ask how to read the next shards
             staged = bool(reply.get("staged"))
             path = Path(str(reply.get("path", "")))
             if staged and path.name != names.staged_name(entry.sha256):  # not the copy this manifest names
@@ -303,12 +315,12 @@ class DaemonStager:
     def wants_whole(self, entry: ShardEntry) -> bool:
         """The daemon's policy for unannounced orders (kvdata.tiers.engine): a shard-aware
         dataset's shards, and a random-order one's resident set (sha256 <= the threshold the
-        daemon reports), are read whole; the rest record by record. Asked at most every
-        MODE_INTERVAL seconds (an empty `want`); without the daemon, the fallback engine decides."""
-        if self._orders:  # this process announced an order: shard-aware
-            return True
+        daemon reports), are read whole; the rest record by record. While the daemon's tiers
+        are congested (a shard a reader needed found no room lately), only shards with a copy
+        are read whole. Asked at most every MODE_INTERVAL seconds (an empty `want`); without
+        the daemon, the fallback engine decides."""
         now = time.monotonic()
-        if self._mode is None or now - self._mode[0] >= MODE_INTERVAL:
+        if self._mode is None or now - self._mode.when >= MODE_INTERVAL:
             reply = self._call("want", shards=[]) if self.client is not None else None
             if reply is None or not isinstance(reply.get("mode"), str):
                 if self.client is None and self._fallback is not None:
@@ -317,16 +329,22 @@ class DaemonStager:
             self._note_mode(reply)
             self._drop_evicted()
         assert self._mode is not None
-        _when, mode, below = self._mode
-        return mode != "random" or entry.sha256 <= below
+        mode = self._mode
+        if mode.staged is not None:  # congested
+            return entry.sha256 in self._copies or flag_set(mode.staged, entry.id)
+        if self._orders:  # this process announced an order: shard-aware
+            return True
+        return mode.mode != "random" or entry.sha256 <= mode.resident_below
 
     def _note_mode(self, reply: dict[str, Any]) -> None:
-        mode, below = reply.get("mode"), reply.get("resident_below", "")
-        if isinstance(mode, str) and isinstance(below, str):
-            self._mode = (time.monotonic(), mode, below)
-            if mode == "random" and not self._orders:  # copies left out of the resident set: give them back
-                for sha in [s for s in self._copies if s > below]:
-                    os.close(self._copies.pop(sha)[0])
+        mode, below, staged = reply.get("mode"), reply.get("resident_below", ""), reply.get("staged")
+        if not isinstance(mode, str) or not isinstance(below, str):
+            return
+        congested = reply.get("congested") is True and isinstance(staged, bytes)
+        self._mode = _ReadMode(time.monotonic(), mode, below, staged if congested else None)
+        if mode == "random" and not self._orders:  # copies left out of the resident set: give them back
+            for sha in [s for s in self._copies if s > below]:
+                os.close(self._copies.pop(sha)[0])
 
     def _drop_evicted(self) -> None:
         """Close kept descriptors of copies the daemon evicted: they would keep the bytes alive

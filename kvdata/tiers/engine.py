@@ -254,9 +254,23 @@ class Engine:
         if local is not None and not self.config.stage_local and local.exists():
             return True
         tiers = self._tiers_for(entry)
-        if tiers and local is None and time.monotonic() < self._congested_until:
+        if tiers and local is None and self.congested():
             return any(t.has(entry.sha256) for t in tiers)  # no room to keep it: read its records
         return bool(tiers)
+
+    def congested(self) -> bool:
+        """Whether a shard a reader needed found no room in any tier within CONGESTED_SECONDS:
+        shards not staged are then better read record by record than fetched whole only to be
+        thrown away (kvdatad tells its clients, see daemon/state.py)."""
+        return time.monotonic() < self._congested_until
+
+    def staged(self, shas: Sequence[str]) -> list[bool]:
+        """Which of these shards have a copy in some healthy tier (one listing per tier)."""
+        have: set[str] = set()
+        for t in self.tiers:
+            if t.healthy():
+                have.update(t.resident())
+        return [sha in have for sha in shas]
 
     def _name(self, home: Home, entry: ShardEntry) -> None:
         self.modes.name(str(getattr(home, "url", "") or ""), entry.sha256)

@@ -29,6 +29,7 @@ from kvdata.reader.daemon_client import DaemonStager
 from kvdata.reader.open import open_dataset
 from kvdata.tiers.homes import open_home
 
+from helpers.daemon import Kit
 from helpers.servers import NginxHome, S3Server, push_s3, push_local, tiers_config
 
 N = 60
@@ -403,3 +404,42 @@ def test_key_lookups_read_record_by_record_too(env: Env, tmp_path: Path, record_
             assert as_tuple(st[k]) == want[k]
         assert st.find("no-such-key") is None
     assert staged_copies(cfg) == []
+
+
+def test_kvdatad_tells_its_readers_when_its_tier_is_congested(env: Env, kit: Kit,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through kvdatad, a shard-aware reader whose tier is full of copies readers hold: the
+    daemon serves the shard that found no room as a private copy and says its tier is
+    congested; the reader then reads the shards without a copy record by record (no more
+    whole private copies fetched and thrown away), and still maps the staged one."""
+    url = env.publish("http")
+    by_id = {e.id: e for e in env.entries}
+    size = max(e.bytes for e in env.entries)
+    held, second, third = sorted((e for e in env.entries if e.bytes == size), key=lambda e: e.id)[:3] \
+        if sum(e.bytes == size for e in env.entries) >= 3 else (by_id[0], by_id[1], by_id[2])
+    cfg = kit.root / "one-tier.toml"
+    cfg.write_text(f'[[tiers]]\nname = "ram"\npath = "{kit.tiers["ram"]}"\nbudget = {max(held.bytes, second.bytes)}\n'
+                   f'[daemon]\nallow_homes = ["{url.rsplit("/", 1)[0]}/"]\n')
+    d = kit.daemon(config=cfg)
+    for k, v in kit.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KVDATA_CONFIG", str(cfg))
+    with kvdata.open(url) as s:
+        source = s.source
+        assert isinstance(source, DaemonStager) and source.client is not None
+        source.announce("r0", [held, second, third], 0)  # shard-aware
+
+        def read(e: Any) -> None:
+            idx = env.shard_samples(e.id)
+            assert [as_tuple(v) for v in s.get_many(idx)] == [env.ref[i] for i in idx]
+
+        read(held)  # staged, and mapped by this reader
+        assert all(source.wants_whole(e) for e in (held, second, third))
+        read(second)  # no room beside the held copy: a private copy, and the daemon says so
+        assert d.status()["private_copies"] == 1
+        assert source.wants_whole(held) and not source.wants_whole(third)
+        read(third)  # record by record
+        assert d.status()["private_copies"] == 1, "a whole private copy was fetched for a congested tier"
+        staged = [p.name for p in (kit.tiers["ram"] / "shards").glob("*.mdb")]
+        assert staged == [names.staged_name(held.sha256)]
+    assert d.terminate() == 0

@@ -246,3 +246,14 @@ def test_stale_socket_file_means_daemon_unavailable(tmp_path: Path) -> None:
     with pytest.raises(DaemonUnavailable, match=str(path)):
         Client(path, timeout=2)
     assert protocol.connect(path) is None
+
+
+def test_flags_round_trip_and_read_nothing_past_the_end() -> None:
+    from kvdata.protocol import flag_set, pack_flags
+
+    for n in (0, 1, 7, 8, 9, 1000):
+        flags = [(i * 7919) % 3 == 0 for i in range(n)]
+        packed = pack_flags(flags)
+        assert len(packed) == (n + 7) // 8
+        assert [flag_set(packed, i) for i in range(n)] == flags
+        assert not flag_set(packed, -1) and not flag_set(packed, len(packed) * 8) and not flag_set(packed, 10**9)
