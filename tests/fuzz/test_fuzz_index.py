@@ -254,3 +254,17 @@ def test_writer_never_writes_index_rows_through_a_planted_symlink(ctx: fl.Ctx, n
         pass
     assert victim.read_bytes() == before
     assert ctx.sandbox.escapes() == []
+
+
+def test_fuzz_index_writer_in_forked_workers(tmp_path: Path) -> None:
+    """The `index_writer` target (a writer appending, deleting, sealing and committing on damaged
+    index files, tails and planted links) through bench/fuzz.py, whose cases run in forked
+    workers: a crash inside LMDB is reported as a failure instead of killing the test session.
+    The seed is fixed so a failure reproduces; the 100,000-case runs are bench/fuzz.py's job."""
+    bench = Path(__file__).resolve().parents[2] / "bench" / "fuzz.py"
+    out = tmp_path / "fuzz.json"
+    r = subprocess.run([sys.executable, str(bench), "--only", "index_writer", "--cases", "400", "--jobs", "1",
+                        "--seed", "7", "--json", str(out)], capture_output=True, text=True, timeout=240,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "0 failures and 0 files written outside the temp root: met" in r.stdout
