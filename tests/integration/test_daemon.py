@@ -792,3 +792,46 @@ def test_a_need_carries_held_back_progress_and_bad_positions_are_refused(kit: Ki
                 c.request("need", dataset=loc(home), shard=0, progress=bad)
         assert c.request("status")["readers"] == 1
     assert d.terminate() == 0
+
+
+def test_connections_over_max_connections_get_one_busy_frame_and_the_rest_are_served(kit: Kit) -> None:
+    """At most max_connections in all (here below the per-uid limit): each one over it gets one
+    `busy` error frame naming the setting and is closed; the connections already admitted stay
+    served, and once some close, new ones are admitted again."""
+    kit.config.write_text(kit.config_text(extra="[daemon]\nmax_connections = 8\nmax_connections_per_uid = 64\n"))
+    d = kit.daemon()
+    socks = []
+    try:
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(kit.sock))
+            socks.append(s)
+        time.sleep(1.0)  # the daemon accepts (and refuses) them meanwhile
+        refused = []
+        for s in socks:
+            s.setblocking(False)
+            try:
+                data = s.recv(4096)
+            except BlockingIOError:
+                continue  # admitted, idle
+            body = msgpack.unpackb(data[4:], raw=False) if data else {}
+            refused.append((body.get("code"), "max_connections" in body.get("error", "")))
+        # 8 admitted (7 while the daemon has not yet seen wait_ready's probe connection close)
+        assert 12 <= len(refused) <= 13 and all(r == ("busy", True) for r in refused), refused
+        for s in socks:
+            s.close()
+        socks = []
+        deadline = time.monotonic() + 10
+        while True:  # the admitted ones closed: a new client is served again
+            try:
+                with Client(str(kit.sock), timeout=5) as c:
+                    assert "tiers" in c.request("status")
+                break
+            except KVDataError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        for s in socks:
+            s.close()
+    assert d.terminate() == 0
