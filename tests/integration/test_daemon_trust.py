@@ -736,6 +736,48 @@ def test_remote_manifest_was_read_whole_into_memory(tmp_path: Path) -> None:
         th.join(10)
 
 
+def test_remote_index_files_are_streamed_to_their_declared_size_and_checked(tmp_path: Path) -> None:
+    """The index files a remote manifest names are fetched as exactly the bytes it declares, in
+    parts, never held whole: a home that answers every index request with an endless body
+    (Range ignored) gets a one-line CorruptDatasetError naming the file, nothing larger than the
+    declared size is written, and no temp file is left."""
+    from kvdata.errors import CorruptDatasetError
+    from kvdata.tiers.push import push
+
+    src = build_dataset(tmp_path / "src", n=24)
+    www = tmp_path / "www"
+    push(src, str(www / "ds"), show=False)
+    declared = {p.name: p.stat().st_size for p in (www / "ds" / "index").iterdir()}
+
+    class Hostile(_Static):
+        root = www
+
+        def do_GET(self) -> None:  # noqa: N802
+            if "/index/" in self.path:
+                _Endless.do_GET(self)  # type: ignore[arg-type]
+            else:
+                super().do_GET()
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Hostile)
+    server.daemon_threads = True
+    th = threading.Thread(target=server.serve_forever, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/ds"
+    home = HTTPHome(url)
+    try:
+        with pytest.raises(CorruptDatasetError) as e:
+            mirror(home, tmp_path / "mirrors")
+        assert "/index/" in str(e.value) and "\n" not in str(e.value), e.value
+        written = {p.name: p.stat().st_size for p in (tmp_path / "mirrors").rglob("*") if p.is_file()}
+        assert not [n for n in written if ".tmp" in n], written
+        assert all(size <= max(declared.values()) for size in written.values()), (written, declared)
+    finally:
+        home.close()
+        server.shutdown()
+        server.server_close()
+        th.join(10)
+
+
 def test_remote_home_not_in_allow_homes_is_refused_and_the_reader_stages_in_process(kit: Kit, tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from kvdata.tiers.push import push
