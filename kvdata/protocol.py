@@ -21,12 +21,15 @@ index (`open`). docs/SECURITY.md is the trust model.
 | announce | dataset, reader, shards [int ids in order], position [ahead, fds] | -             |
 | progress | reader, position, stall (seconds, cumulative) [dataset, ahead, fds] | -          |
 | need     | dataset, shard (int id), sha256 [kind, fd: the shard file] | path, staged, fd: read-only copy, congested? |
-| want     | dataset, shards [[int id, sha256], ...] [kinds, fds] | started (staging begun now, not awaited); shards=[]: mode, resident_below, congested?, staged? |
+| want     | dataset, shards [[int id, sha256], ...] [kinds, fds] | started (staging begun now, not awaited) |
 | release  | reader                                          | -                            |
 | stage    | dataset, tier (optional), wait (bool) [ahead, fds] | shards, queued            |
 | evict    | dataset, tier (optional)                        | evicted, kept                |
 | status   | -                                               | the daemon's state (kvdata status --json); own clients only |
 | reload   | -                                               | tiers                        |
+
+A `want` with no shards asks how the dataset is read: its reply has mode, resident_below and,
+while the tiers are congested, congested and staged (see docs/DAEMON.md).
 
 Bracketed fields are what a client whose uid may not name local paths sends for a
 local dataset: `ahead` is [[id, kind], ...] and `kinds` [kind, ...] (kind "mdb" or
