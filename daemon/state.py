@@ -41,7 +41,7 @@ from kvdata._util.digest import is_sha256
 from kvdata.config import Config, normalize_home_url
 from kvdata.errors import BadRequest, ConfigError, NotAllowed, RemoteError, StaleManifest
 from kvdata.protocol import MAX_FDS, PROTOCOL_VERSION, SHARD_KINDS, close_fds, pack_flags
-from kvdata.tiers import Manifest, ShardEntry
+from kvdata.tiers import Manifest, ShardEntry, policy
 from kvdata.tiers.engine import Engine
 from kvdata.tiers.fetch import content_matches
 from kvdata.tiers.homes import Home, PassedFiles, open_home
@@ -218,9 +218,14 @@ class Service:
         modes = self.engine.modes
         modes.activate([ds.key])
         reply: dict[str, Any] = {"mode": modes.mode(ds.key), "resident_below": modes.resident_threshold(ds.key)}
+        shas = [e.sha256 for e in ds.manifest.shards]
         if self.engine.congested():  # no room for a needed shard lately: read what is not staged by record
             reply["congested"] = True
-            reply["staged"] = pack_flags(self.engine.staged([e.sha256 for e in ds.manifest.shards]))
+            reply["staged"] = pack_flags(self.engine.staged(shas))
+        elif reply["mode"] == policy.SHARD_AWARE and self.engine.keep_set()[0] is not None:
+            # larger than the tiers: shards read once this pass are read by record (Engine.bypassed)
+            staged = self.engine.staged(shas)
+            reply["whole"] = pack_flags([have or not self.engine.bypassed(sha) for sha, have in zip(shas, staged)])
         return reply
 
     def _shared(self, loc: str, uid: int) -> OpenDataset:

@@ -161,6 +161,7 @@ class _ReadMode:
     mode: str             # "shard-aware" or "random"
     resident_below: str   # random mode: shards with a sha256 <= this are resident (read whole)
     staged: bytes | None  # congested tiers: protocol.pack_flags of which shards have a copy; else None
+    whole: bytes | None   # shard-aware, larger than the tiers: which shards to read whole (the rest by record)
 
 
 class DaemonStager:
@@ -317,7 +318,8 @@ class DaemonStager:
         dataset's shards, and a random-order one's resident set (sha256 <= the threshold the
         daemon reports), are read whole; the rest record by record. While the daemon's tiers
         are congested (a shard a reader needed found no room lately), only shards with a copy
-        are read whole. Asked at most every MODE_INTERVAL seconds (an empty `want`); without
+        are read whole; a shard-aware dataset larger than the tiers is read whole only where
+        the daemon says (`whole`: Engine.bypassed). Asked at most every MODE_INTERVAL seconds (an empty `want`); without
         the daemon, the fallback engine decides."""
         now = time.monotonic()
         if self._mode is None or now - self._mode.when >= MODE_INTERVAL:
@@ -332,6 +334,8 @@ class DaemonStager:
         mode = self._mode
         if mode.staged is not None:  # congested
             return entry.sha256 in self._copies or flag_set(mode.staged, entry.id)
+        if mode.whole is not None:
+            return entry.sha256 in self._copies or flag_set(mode.whole, entry.id)
         if self._orders:  # this process announced an order: shard-aware
             return True
         return mode.mode != "random" or entry.sha256 <= mode.resident_below
@@ -341,7 +345,9 @@ class DaemonStager:
         if not isinstance(mode, str) or not isinstance(below, str):
             return
         congested = reply.get("congested") is True and isinstance(staged, bytes)
-        self._mode = _ReadMode(time.monotonic(), mode, below, staged if congested else None)
+        whole = reply.get("whole")
+        self._mode = _ReadMode(time.monotonic(), mode, below, staged if congested else None,
+                               whole if isinstance(whole, bytes) and not congested else None)
         if mode == "random" and not self._orders:  # copies left out of the resident set: give them back
             for sha in [s for s in self._copies if s > below]:
                 os.close(self._copies.pop(sha)[0])

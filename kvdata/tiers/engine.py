@@ -57,6 +57,7 @@ from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
 
 NEED_WAIT = EVICT_GRACE + 1.0  # how long a shard a reader needs now waits for room that is about to free up
 ROOM_POLL = 0.05
+KEEP_TTL = 0.25  # seconds the set of shards worth a whole copy (policy.keep_for_next_pass) is trusted
 CONGESTED_SECONDS = 10.0  # after no tier had room for a needed shard, unstaged shards are read by record this long
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
@@ -129,6 +130,7 @@ class Engine:
         self._planner_pid = -1
         self.modes = ReadModes(lambda: self.tiers)  # who reads which dataset how (shard-aware, random)
         self._congested_until = 0.0  # see CONGESTED_SECONDS
+        self._keep_cache: tuple[float, set[str] | None, frozenset[str]] = (0.0, None, frozenset())
         self._orders = SharedOrders()  # announced orders published in the tiers, ours and other processes'
 
     # ------------------------------------------------------------ budgets and lookup
@@ -254,9 +256,50 @@ class Engine:
         if local is not None and not self.config.stage_local and local.exists():
             return True
         tiers = self._tiers_for(entry)
-        if tiers and local is None and self.congested():
-            return any(t.has(entry.sha256) for t in tiers)  # no room to keep it: read its records
+        if tiers and local is None:
+            staged = any(t.has(entry.sha256) for t in tiers)
+            if self.congested():
+                return staged  # no room to keep it: read its records
+            if not staged and self.bypassed(entry.sha256):
+                return False  # read once this pass, not worth a place in the tiers: read its records
         return bool(tiers)
+
+    def bypassed(self, sha: str) -> bool:
+        """Whether an announced order reads this shard but its whole copy is not worth a place
+        in the tiers (policy.keep_for_next_pass: the data is larger than the tiers, and the next
+        pass does not read it early enough): its samples are then read record by record."""
+        keep, announced = self.keep_set()
+        return keep is not None and sha in announced and sha not in keep
+
+    def keep_set(self) -> tuple[set[str] | None, frozenset[str]]:
+        """(the shards worth a whole copy or None for all of them, every shard announced) over
+        the orders of this engine's readers and those other processes published in the tiers
+        (policy.keep_for_next_pass), recomputed at most every KEEP_TTL seconds."""
+        now = time.monotonic()
+        until, keep, announced = self._keep_cache
+        if now < until:
+            return keep, announced
+        with self._lock:
+            demands = list(self._demands.values())
+            sizes = {sha: k.entry.bytes for sha, k in self._known.items()}
+        tiers = [t for t in self.tiers if t.healthy()]
+        for t in tiers:  # every publisher publishes in every tier it can: the first that answers will do
+            others = self._orders.others(t)
+            if others:
+                demands += others
+                break
+        keep, announced = None, frozenset()
+        if demands:
+            shard = sum(sizes.values()) // len(sizes) if sizes else 0
+            kept = 0
+            for t in tiers:  # random-order datasets' resident sets are not ours to plan with
+                resident = t.resident()
+                kept += sum(resident.get(s, 0) for s in self.modes.protected(t, resident))
+            room = sum(t.budget for t in tiers) - kept
+            keep = policy.keep_for_next_pass(demands, sizes, room, shard)
+            announced = frozenset(s for d in demands for s in d.sequence)
+        self._keep_cache = (now + KEEP_TTL, keep, announced)
+        return keep, announced
 
     def congested(self) -> bool:
         """Whether a shard a reader needed found no room in any tier within CONGESTED_SECONDS:
@@ -455,6 +498,7 @@ class Engine:
             self._demands[reader] = policy.Demand(tuple(e.sha256 for e in entries), position)
         self.modes.announced(reader, [e.sha256 for e in entries[:ORDER_PREFIX_SHARDS]])
         self._orders.publish(self.tiers, reader, [e.sha256 for e in entries], position)
+        self._keep_cache = (0.0, None, frozenset())  # a new order: what is worth keeping changes
         if self.prefetch:
             self._replan()
 
@@ -473,6 +517,7 @@ class Engine:
             self._demands.pop(reader, None)
         self._orders.withdraw(reader)
         self.modes.released(reader)
+        self._keep_cache = (0.0, None, frozenset())
 
     def _replan(self) -> None:
         """Ask the planner thread to plan (coalesced): readers' threads never plan or scan."""
@@ -522,6 +567,8 @@ class Engine:
             for sha in plan.stage:
                 if busy >= 2 * self._workers:
                     return
+                if self.bypassed(sha):  # read by record when its turn comes, not staged
+                    continue
                 k = self._known.get(sha)
                 if k is None or (tier.name, sha) in self._inflight or not k.home.can_stage(sha):
                     continue

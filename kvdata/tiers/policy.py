@@ -82,6 +82,54 @@ def plan_tier(budget: int, sizes: Mapping[str, int], resident: Mapping[str, int]
     return TierPlan(stage=final_stage)
 
 
+def next_pass_start(sequence: Sequence[str]) -> int:
+    """Where an announced sequence starts its next pass, as ShardShuffleSampler announces
+    them (this epoch's shards in first-use order, then the next epoch's): the first index whose
+    shard came before, if what follows repeats nothing and is at least half as long as the
+    first pass; else its length (one pass, or an order that merely comes back to a shard)."""
+    seen: set[str] = set()
+    for i, key in enumerate(sequence):
+        if key in seen:
+            rest = sequence[i:]
+            if 2 * len(rest) >= i and len(set(rest)) == len(rest):
+                return i
+            return len(sequence)
+        seen.add(key)
+    return len(sequence)
+
+
+def keep_for_next_pass(demands: Iterable[Demand], sizes: Mapping[str, int], room: int,
+                       default_size: int = 0) -> set[str] | None:
+    """The shards worth a whole copy in tiers of `room` bytes: those the readers' next passes
+    read first, up to the room (Belady with bypass). None when every shard of the announced
+    passes fits, or when no order has a next pass: then every shard is staged whole.
+
+    When the data is larger than the tiers, a shard staged whole only to be read once this
+    pass takes the place of one the next pass reads first, and costs a fetch then. Read by
+    record instead, it costs the same bytes now and nothing later: home traffic per pass is
+    then 1 - room/data, the optimum, whatever window and prefetch the readers work with."""
+    firsts: dict[str, int] = {}
+    every: set[str] = set()
+    for d in demands:
+        seq = d.sequence
+        every.update(seq)
+        start = next_pass_start(seq)
+        for rank, key in enumerate(seq[start:]):
+            if rank < firsts.get(key, 1 << 62):
+                firsts[key] = rank
+    if not firsts or sum(sizes.get(k, default_size) for k in every) <= room:
+        return None
+    keep: set[str] = set()
+    used = 0
+    for key in sorted(firsts, key=lambda k: (firsts[k], k)):
+        size = sizes.get(key, default_size)
+        if used + size > room:
+            break
+        keep.add(key)
+        used += size
+    return keep
+
+
 LOOKAHEAD_SHARE = 0.25  # of the room a tier has for announced orders that prefetching ahead may take
 
 

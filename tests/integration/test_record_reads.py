@@ -28,6 +28,7 @@ from kvdata.format.codec import compress_file, zst_copy
 from kvdata.reader.daemon_client import DaemonStager
 from kvdata.reader.open import open_dataset
 from kvdata.tiers.homes import open_home
+from kvdata.tiers.tier import Tier
 
 from helpers.daemon import Kit
 from helpers.servers import NginxHome, S3Server, push_s3, push_local, tiers_config
@@ -443,3 +444,53 @@ def test_kvdatad_tells_its_readers_when_its_tier_is_congested(env: Env, kit: Kit
         staged = [p.name for p in (kit.tiers["ram"] / "shards").glob("*.mdb")]
         assert staged == [names.staged_name(held.sha256)]
     assert d.terminate() == 0
+
+
+def test_a_shard_aware_order_larger_than_the_tier_keeps_what_the_next_epoch_reads_first(env: Env,
+                                                                                          tmp_path: Path) -> None:
+    """ShardShuffleSampler's announcement (this epoch's shards, then the next epoch's) over a
+    dataset larger than the tier: only the shards the next epoch reads first get whole copies
+    (policy.keep_for_next_pass); the others are read record by record and never staged. A warm
+    epoch then fetches about 1 - room/data from the home, and its first shards are hits."""
+    from kvdata.tiers.policy import keep_for_next_pass
+
+    url = env.publish("http")
+    entries = env.entries
+    size = max(e.bytes for e in entries)
+    total = sum(e.bytes for e in entries)
+    budget = 2 * size + size // 2  # room for two whole shards (the third does not fit)
+    assert total > budget
+    cfg = tiers_config(tmp_path / "tiers", ("ssd", budget))
+    st = open_dataset(url, config=cfg, use_daemon=False)
+    try:
+        order = [list(reversed(entries)), entries[1:] + entries[:1], entries[2:] + entries[:2]]
+        eng = st.engine
+        for epoch in range(2):
+            seq = order[epoch] + order[epoch + 1]
+            st.source.announce("r0", seq, 0)
+            keep = eng.keep_set()[0]
+            assert keep == keep_for_next_pass([policy_demand(seq)], {e.sha256: e.bytes for e in entries}, budget)
+            assert keep is not None and 1 <= len(keep) < len(entries)
+            assert keep == {e.sha256 for e in order[epoch + 1][:len(keep)]}  # what the next epoch reads first
+            before = eng.status()["bytes_from_home"]
+            hits = eng.status()["hits"]
+            for i, e in enumerate(order[epoch]):
+                st.source.progress("r0", i)
+                idx = env.shard_samples(e.id)
+                assert [as_tuple(v) for v in st.get_many(idx)] == [env.ref[j] for j in idx]
+            fetched = eng.status()["bytes_from_home"] - before
+            resident = set(Tier(cfg.tiers[0]).resident())
+            assert resident <= keep, "a shard read once this epoch was staged whole"
+            if epoch == 1:  # warm: what the previous epoch kept is read from the tier
+                kept = sum(e.bytes for e in entries if e.sha256 in prev_keep)
+                assert eng.status()["hits"] > hits
+                assert fetched <= (total - kept) * 1.15, (fetched, total, kept)
+            prev_keep = keep
+    finally:
+        st.close()
+
+
+def policy_demand(seq: list[Any]) -> Any:
+    from kvdata.tiers.policy import Demand
+
+    return Demand(tuple(e.sha256 for e in seq), 0)

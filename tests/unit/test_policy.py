@@ -220,3 +220,47 @@ def test_prefetch_depth_is_at_most_a_quarter_of_the_room() -> None:
     assert prefetch_depth(16, room=2 * 100, shard_bytes=100) == 1          # at least one
     assert prefetch_depth(16, room=0, shard_bytes=100) == 1
     assert prefetch_depth(8, room=10**9, shard_bytes=0) == 8               # sizes unknown
+
+
+# ---------------------------------------------------------------- keep_for_next_pass (bypass)
+
+
+def test_next_pass_start_finds_the_samplers_second_epoch_only() -> None:
+    from kvdata.tiers.policy import next_pass_start
+
+    assert next_pass_start(list("abcdef") + list("fedcba")) == 6   # this epoch, then the next
+    assert next_pass_start(list("abcdef") + list("cab")) == 6       # a shorter next pass (another rank's share)
+    assert next_pass_start(list("abcdef")) == 6                     # one pass
+    assert next_pass_start(list("abcdefa")) == 7                    # an order that comes back to one shard
+    assert next_pass_start(list("abcabcabc")) == 9                  # three passes: not the sampler's two
+    assert next_pass_start([]) == 0
+
+
+def test_keep_for_next_pass_keeps_what_the_next_pass_reads_first() -> None:
+    from kvdata.tiers.policy import keep_for_next_pass
+
+    seq = list("abcdefgh") + list("hgfedcba")
+    sizes = {k: 10 for k in "abcdefgh"}
+    assert keep_for_next_pass([Demand(tuple(seq), 0)], sizes, 30) == {"h", "g", "f"}
+    assert keep_for_next_pass([Demand(tuple(seq), 5)], sizes, 35) == {"h", "g", "f"}  # whole shards only
+    assert keep_for_next_pass([Demand(tuple(seq), 0)], sizes, 80) is None     # everything fits: stage all
+    assert keep_for_next_pass([Demand(tuple("abcdefgh"), 0)], sizes, 30) is None  # one pass: nothing to keep for
+    # two readers: the earliest next use over both, unknown sizes at the default
+    other = Demand(tuple("xyz") + tuple("zyx"), 0)
+    assert keep_for_next_pass([Demand(tuple(seq), 0), other], sizes, 40, default_size=10) == {"h", "z", "g", "y"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.permutations(list(range(12))), st.permutations(list(range(12))), st.integers(0, 130))
+def test_keep_for_next_pass_fits_the_room_and_is_a_prefix_of_the_next_pass(first: list[int], second: list[int],
+                                                                           room: int) -> None:
+    from kvdata.tiers.policy import keep_for_next_pass
+
+    seq = tuple(f"s{i}" for i in first + second)
+    sizes = {f"s{i}": 10 for i in range(12)}
+    keep = keep_for_next_pass([Demand(seq, 0)], sizes, room)
+    if room >= 120:
+        assert keep is None
+    else:
+        assert keep is not None and len(keep) * 10 <= room < (len(keep) + 1) * 10
+        assert keep == set(seq[12:12 + len(keep)])
