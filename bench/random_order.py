@@ -373,7 +373,8 @@ def run_daemon(a: argparse.Namespace, url: str, work: Path, budget: int, shard_a
         try:
             st = client.request("status")
             res["daemon_status"] = {k: st.get(k) for k in ("bytes_from_home", "shards_staged", "hits", "misses",
-                                                             "errors", "stall_seconds")}
+                                                             "errors", "stall_seconds", "private_copies",
+                                                             "evictions", "random_misses")}
             res["daemon_status"]["datasets"] = st.get("datasets")
         except Exception as e:  # noqa: BLE001
             res["daemon_status"] = {"error": str(e)}

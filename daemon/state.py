@@ -485,6 +485,10 @@ class Service:
             if not home.has(entry.sha256):
                 raise NotAllowed(f"shard {entry.id} of {ds.location}: pass the shard's file with need")
         path, staged, fd = self._open_copy(home, entry)
+        # the copy is open here and about to be passed: probe_open keeps it from eviction while any
+        # process has it open or mapped, so the pin that covered staging-to-open can go (else every
+        # shard needed lately stays pinned PIN_SECONDS, and a full tier has nothing to evict)
+        self.engine.unpin(entry.sha256)
         try:
             if isinstance(home, PassedFiles):
                 self._prove(home, entry)

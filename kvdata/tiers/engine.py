@@ -57,6 +57,7 @@ from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
 
 NEED_WAIT = EVICT_GRACE + 1.0  # how long a shard a reader needs now waits for room that is about to free up
 ROOM_POLL = 0.05
+KEEP_HEADROOM = 2  # shards of the tiers left out of the keep set: staging room while readers map copies
 KEEP_TTL = 0.25  # seconds the set of shards worth a whole copy (policy.keep_for_next_pass) is trusted
 CONGESTED_SECONDS = 10.0  # after no tier had room for a needed shard, unstaged shards are read by record this long
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -175,8 +176,9 @@ class Engine:
         self.count("misses", 1)
         t0 = time.monotonic()
         try:
-            if not tiers:  # random order, not in a resident set: served, never kept
-                self.count("random_misses", 1)
+            if not tiers or self._bypass(sha):  # random order, not resident; or read once this pass: never kept
+                if not tiers:
+                    self.count("random_misses", 1)
                 if local is not None and local.exists():  # a local (or NFS) home: read in place
                     self.count("home_reads", 1)
                     self._fetched(entry)
@@ -197,7 +199,7 @@ class Engine:
         for e in entries:
             if self.fastest_copy(e.sha256) is None and (home.local_path("") is None or self.config.stage_local):
                 target = next((t for t in self._tiers_for(e) if t.healthy()), None)
-                if target is None:  # random order, not resident: read without staging it
+                if target is None or self._bypass(e.sha256):  # random order, not resident; or bypassed
                     continue
                 with self._lock:
                     self._pinned[e.sha256] = time.monotonic() + PIN_SECONDS
@@ -268,6 +270,14 @@ class Engine:
         """Whether an announced order reads this shard but its whole copy is not worth a place
         in the tiers (policy.keep_for_next_pass: the data is larger than the tiers, and the next
         pass does not read it early enough): its samples are then read record by record."""
+        if not self._bypass(sha):
+            return False
+        known = self._known.get(sha)
+        return known is not None and known.home.record_reads  # a local home's is read in place (locate)
+
+    def _bypass(self, sha: str) -> bool:
+        """An announced order reads this shard, but its whole copy is not worth a place in the
+        tiers: it is read by record (bypassed), in place (a local home) or into a private copy."""
         keep, announced = self.keep_set()
         return keep is not None and sha in announced and sha not in keep
 
@@ -295,7 +305,7 @@ class Engine:
             for t in tiers:  # random-order datasets' resident sets are not ours to plan with
                 resident = t.resident()
                 kept += sum(resident.get(s, 0) for s in self.modes.protected(t, resident))
-            room = sum(t.budget for t in tiers) - kept
+            room = sum(t.budget for t in tiers) - kept - KEEP_HEADROOM * shard  # room to stage while readers map
             keep = policy.keep_for_next_pass(demands, sizes, room, shard)
             announced = frozenset(s for d in demands for s in d.sequence)
         self._keep_cache = (now + KEEP_TTL, keep, announced)
@@ -304,8 +314,10 @@ class Engine:
     def congested(self) -> bool:
         """Whether a shard a reader needed found no room in any tier within CONGESTED_SECONDS:
         shards not staged are then better read record by record than fetched whole only to be
-        thrown away (kvdatad tells its clients, see daemon/state.py)."""
-        return time.monotonic() < self._congested_until
+        thrown away (kvdatad tells its clients, see daemon/state.py). Not while the orders
+        announced are larger than the tiers: only the keep set is read whole then, and reading
+        it by record would lose it for the next pass (keep_set)."""
+        return time.monotonic() < self._congested_until and self.keep_set()[0] is None
 
     def staged(self, shas: Sequence[str]) -> list[bool]:
         """Which of these shards have a copy in some healthy tier (one listing per tier)."""
@@ -567,7 +579,7 @@ class Engine:
             for sha in plan.stage:
                 if busy >= 2 * self._workers:
                     return
-                if self.bypassed(sha):  # read by record when its turn comes, not staged
+                if self._bypass(sha):  # read by record or in place when its turn comes, not staged
                     continue
                 k = self._known.get(sha)
                 if k is None or (tier.name, sha) in self._inflight or not k.home.can_stage(sha):

@@ -48,6 +48,9 @@ class Home:
     #: the tiers.records.RecordReader of this home, made on its first record read and kept with
     #: it, so every source reading this home in the process shares its verified seek tables
     record_reader: Any = None
+    #: whether readers can read this home's shards record by record (tiers.records: remote homes,
+    #: whose framed cold copies take ranged GETs); a local home is read in place instead
+    record_reads = False
 
     def local_path(self, name: str) -> Path | None:
         """A path that can be read in place, or None for remote homes."""
@@ -246,6 +249,8 @@ class S3Home(Home):
     """s3://bucket/prefix on any S3-compatible endpoint; endpoint and credentials come
     from the standard AWS environment variables and config files (AWS_ENDPOINT_URL too)."""
 
+    record_reads = True
+
     writable = True
 
     def __init__(self, url: str, max_connections: int = 32) -> None:
@@ -338,6 +343,8 @@ class S3Home(Home):
 
 class HTTPHome(Home):
     """http(s):// read-only, through range GETs on one keep-alive connection per thread."""
+
+    record_reads = True
 
     def __init__(self, url: str) -> None:
         u = urllib.parse.urlparse(url)

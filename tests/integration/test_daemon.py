@@ -835,3 +835,28 @@ def test_connections_over_max_connections_get_one_busy_frame_and_the_rest_are_se
         for s in socks:
             s.close()
     assert d.terminate() == 0
+
+
+def test_a_copy_passed_to_its_reader_is_not_pinned_beyond_the_need(kit: Kit) -> None:
+    """A `need` pins the shard it stages until its copy is open (so no stager evicts it in
+    between); once the descriptor is passed, only readers holding it keep it. A tier with room
+    for two shards, two needs whose descriptors the client closes, then a third need: it is
+    staged by evicting one of them, not read around a tier full of pins (PIN_SECONDS)."""
+    src = build_dataset(kit.root / "src", n=48)
+    home = kit.root / "home"
+    push(src, str(home), show=False)
+    m = manifest(home)
+    sizes = sorted(int(e["bytes"]) for e in m["shards"])
+    assert len(sizes) >= 3
+    cfg = kit.root / "small.toml"
+    cfg.write_text(f'[[tiers]]\nname = "ram"\npath = "{kit.tiers["ram"]}"\nbudget = {sizes[-1] + sizes[-2]}\n')
+    d = kit.daemon(config=cfg)
+    with d.client() as c:
+        c.request("announce", dataset=loc(home), reader="job", shards=[0, 1, 2], position=0)  # shard-aware
+        for shard in (0, 1, 2):
+            c.request("progress", reader="job", position=shard)
+            reply = c.request("need", dataset=loc(home), shard=shard)
+            assert reply["staged"], (shard, reply)  # nothing read around the tier
+        st = c.request("status")
+    assert st["evictions"] >= 1 and st["private_copies"] == 0 and st["home_reads"] == 0, st
+    assert d.terminate() == 0
