@@ -500,3 +500,34 @@ def policy_demand(seq: list[Any]) -> Any:
     from kvdata.tiers.policy import Demand
 
     return Demand(tuple(e.sha256 for e in seq), 0)
+
+
+def test_dataloader_workers_stage_only_the_keep_set_of_the_samplers_order(env: Env, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataLoader workers never see the sampler's announcement in their own engine: they read
+    it from the orders the main process published in the tier, and stage whole only what the
+    next epoch reads first (the rest record by record), like the main process would."""
+    torch = pytest.importorskip("torch")
+    from helpers.servers import write_toml
+
+    url = env.publish("http")
+    size = max(e.bytes for e in env.entries)
+    tiers = tmp_path / "tiers"
+    monkeypatch.setenv("KVDATA_CONFIG", str(write_toml(tmp_path / "kvdata.toml", tiers, ("ssd", 4 * size + size // 2))))
+    ds = kvdata.Dataset(url)
+    try:
+        sampler = kvdata.ShardShuffleSampler(ds, window=2, seed=1)
+        loader = torch.utils.data.DataLoader(ds, sampler=sampler, batch_size=8, num_workers=2,
+                                             collate_fn=kvdata.collate)
+        keeps: list[set[str]] = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            names_seen = [str(n) for b in loader for n in b["name"]]
+            assert sorted(names_seen) == sorted(f"s{i}" for i in range(N))
+            keep = ds.store.engine.keep_set()[0]
+            assert keep is not None and 0 < len(keep) < len(env.entries)
+            keeps.append(keep)
+            resident = {p.stem for p in tiers.rglob("*.mdb")}
+            assert resident <= set().union(*keeps[-2:]), "a worker staged whole a shard read once this epoch"
+    finally:
+        ds.store.close()
