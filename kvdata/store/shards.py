@@ -282,12 +282,43 @@ def check_lmdb_file(path: Path) -> None:
                                   "restore it from a copy and run `kvdata verify`")
 
 
-def open_tail_for_write(path: Path, shard_size: int) -> lmdb.Environment:
+def check_tail_pages(path: Path) -> None:
+    """CorruptDatasetError unless the B-tree of an existing tail can be walked from its root with
+    every node inside the file (format.frames.lmdb_values). LMDB trusts its own pages: appending
+    to a tail whose pages were overwritten follows node offsets past the end of the map and dies
+    of SIGBUS, which no exception handler can turn into a clear error. Reads only the tree pages,
+    not the values; a writer calls it once, when it opens the dataset."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size < 2 * 512:  # not even two pages: LMDB refuses it with an error of its own
+            return
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            mv = memoryview(mm)
+            try:
+                ok = fmt.frames.lmdb_values(mv) is not None
+            finally:
+                mv.release()
+    finally:
+        os.close(fd)
+    if not ok:
+        raise CorruptDatasetError(f"{path}: the tail's LMDB pages are damaged (its tree does not fit the file); "
+                                  "restore it from a copy, or move it aside and run `kvdata reindex`")
+
+
+def open_tail_for_write(path: Path, shard_size: int, check_pages: bool = False) -> lmdb.Environment:
     """The tail's env, its map large enough for `shard_size` (which may have been raised since
     the tail was created or since a reader in this process opened it). An existing tail is
-    checked first (no symlink, not truncated): LMDB would follow the one and SIGBUS on the other."""
+    checked first (no symlink, not truncated): LMDB would follow the one and SIGBUS on the other;
+    with check_pages, its B-tree too (check_tail_pages: a writer appending; reindex, which
+    recovers what it can of a damaged tail, does not ask)."""
     if os.path.lexists(path) or os.path.lexists(names.lmdb_lock_name(str(path))):
         check_lmdb_file(path)
+        if check_pages:
+            check_tail_pages(path)
     env = ENVS.acquire(path, sealed=False, shard_size=shard_size, create=True)
     if env.info()["map_size"] < tail_map_size(shard_size):
         env.set_mapsize(tail_map_size(shard_size))

@@ -175,7 +175,7 @@ class Writer:
         self.compress = m.compress
         self._tidy(m)
         try:
-            self.env = open_tail_for_write(tail_path, self.shard_size)
+            self.env = open_tail_for_write(tail_path, self.shard_size, check_pages=True)
             truncate_tail(self.env, m.tail.records)
             release_dead_pages(self.env, tail_path)
         except OSError as e:

@@ -268,3 +268,27 @@ def test_fuzz_index_writer_in_forked_workers(tmp_path: Path) -> None:
                        cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "0 failures and 0 files written outside the temp root: met" in r.stdout
+
+
+def test_writer_on_a_tail_whose_pages_were_rewritten_is_corrupt_not_sigbus(tmp_path: Path) -> None:
+    """bench/fuzz.py index_writer case 1673: a tail whose LMDB page contents were overwritten in
+    place. LMDB trusts its own pages, so appending followed a node offset past the end of the file
+    and the writer died of SIGBUS; the writer now walks the tail's tree first (check_tail_pages)
+    and refuses with one CorruptDatasetError. Run in a child process: a regression must fail this
+    test, not kill the session."""
+    script = f"""
+import random, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import fuzzlib as fl, kvdata
+from kvdata.errors import CorruptDatasetError
+with fl.context() as ctx:
+    ds = fl.fresh_copy(ctx, fl.TARGETS["index_writer"].gen(random.Random("0:index_writer:1673"), ctx))
+    try:
+        with kvdata.open(ds, "a") as w:
+            w.put("fuzz-new", b"x" * 100)
+    except CorruptDatasetError as e:
+        print("REFUSED", e)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert "REFUSED" in r.stdout and "LMDB pages are damaged" in r.stdout, r.stdout + r.stderr[-2000:]
