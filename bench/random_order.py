@@ -479,7 +479,7 @@ def run_before(a: argparse.Namespace, src: Path, work: Path, budget: int) -> dic
     env = dict(os.environ, KVDATA_CONFIG=str(cfgp), **env_extra)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--reader", url, "--tier-dir", str(tdir / "tier"),
            "--epochs", str(a.epochs), "--batch-size", str(a.batch_size), "--workers", str(a.workers),
-           "--seed", str(a.seed), "--json", str(out)]
+           "--seed", str(a.seed), "--json", str(out), "--record-bytes", str(a.record_bytes)]
     p = subprocess.run(cmd, env=env, timeout=3600, stderr=sys.stderr)
     if p.returncode != 0:
         raise RuntimeError(f"(b) reader failed ({p.returncode})")
@@ -516,7 +516,8 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
                          f"{home:.2f}", payload, gets, tier, vs_c])
     text = [f"### random order over a network home ({machine_line(res['machine'])})", "",
             f"netlab S3 server (moto behind nginx, {DELAYED}), rate {a.rate}, RTT {a.rtt_ms:g} ms; {n} samples of "
-            f"227x227x3 uint8 ({IMG / 1024:.0f} KiB, {a.content}), {ds_bytes / MB:,.1f} MB, kvdata shards <= "
+            f"{'x'.join(map(str, SHAPE))} uint8 ({IMG / 1024:,.1f} KiB, {a.content}), {ds_bytes / MB:,.1f} MB, "
+            f"kvdata shards <= "
             f"{a.shard_size}; tier budget {budget / MB:,.1f} MB ({budget / ds_bytes:.0%} of the dataset); "
             f"`DataLoader(ds, shuffle=True, num_workers={a.workers}, batch_size={a.batch_size})`, {a.epochs} "
             f"epochs, fresh workers each epoch; (a) with in-process engines and through one kvdatad (its own tier "
@@ -532,8 +533,8 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
     sv = res.get("server") or {}
     if "ranged_in_shards" in sv:
         w, r = sv["whole_objects"], sv["ranged_in_shards"]
-        text.append(f"The S3 server alone, {a.threads} GETs in flight from one process: whole {IMG / 1024:.0f} KiB "
-                    f"objects {w['per_s']:,.0f}/s ({w['MBps']:,.0f} MB/s); ranged GETs of {IMG / 1024:.0f} KiB inside "
+        text.append(f"The S3 server alone, {a.threads} GETs in flight from one process: whole {IMG / 1024:,.1f} KiB "
+                    f"objects {w['per_s']:,.0f}/s ({w['MBps']:,.0f} MB/s); ranged GETs of {IMG / 1024:,.1f} KiB inside "
                     f"the pushed shard objects (median {sv['shard_object_bytes'] / MB:.1f} MB) {r['per_s']:,.0f}/s "
                     f"({r['MBps']:,.0f} MB/s).")
     if "b" in a.skipped:
@@ -593,9 +594,14 @@ def main() -> None:
     p.add_argument("--netlab-sh", default=str(NETLAB_SH))
     p.add_argument("--dir", type=Path, help="work directory (default: a temp dir, removed)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--record-bytes", type=int, default=0,
+                   help="samples of this many random bytes instead of 227x227x3 images (the 1 KiB variant: 1024)")
     p.add_argument("--reader", help=argparse.SUPPRESS)       # internal: (b)'s subprocess
     p.add_argument("--tier-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.record_bytes:  # every function here reads the sample shape from these two names
+        global SHAPE, IMG
+        SHAPE, IMG = (a.record_bytes,), a.record_bytes
 
     if a.reader:  # (b): run the kvdata reader with whatever kvdata PYTHONPATH gives
         s3_env(DELAYED)
@@ -626,7 +632,7 @@ def main() -> None:
     try:
         src = work / "ds"
         shutil.rmtree(src, ignore_errors=True)
-        write_image_dataset(src, image_chunks(np.random.default_rng(a.seed), a.samples, 256, a.content),
+        write_image_dataset(src, image_chunks(np.random.default_rng(a.seed), a.samples, 256, a.content, SHAPE),
                             shard_size=a.shard_size, compress=False)
         ds_bytes = a.samples * IMG
         budget = int(ds_bytes * a.budget_frac)
