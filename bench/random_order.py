@@ -144,6 +144,8 @@ class TierSampler:
         self.root, self.period = str(root), period
         self.peak = self.peak_files = self.peak_mapped_deleted = 0
         self.samples = 0
+        self.last_kinds: dict[str, int] = {}
+        self.peak_kinds: dict[str, int] = {}
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -160,12 +162,18 @@ class TierSampler:
 
     def files(self) -> int:
         total = 0
+        sizes: dict[str, int] = {}
         for dirpath, _dirs, names in os.walk(self.root):
             for n in names:
                 try:
-                    total += os.lstat(os.path.join(dirpath, n)).st_size
+                    size = os.lstat(os.path.join(dirpath, n)).st_size
                 except OSError:
-                    pass
+                    continue
+                total += size
+                kind = "copies" if n.endswith(".mdb") else ("temps" if ".tmp" in n or n.startswith(".") else n[-12:])
+                kind = f"{os.path.basename(dirpath)}/{kind}"
+                sizes[kind] = sizes.get(kind, 0) + size
+        self.last_kinds = sizes
         return total
 
     def _pids(self) -> list[int]:
@@ -209,6 +217,8 @@ class TierSampler:
                 md = self.mapped_deleted()
             k += 1
             self.samples += 1
+            if f > self.peak_files:  # what the tier held at its peak, by kind of file (the report's JSON)
+                self.peak_kinds = dict(self.last_kinds)
             self.peak_files = max(self.peak_files, f)
             self.peak_mapped_deleted = max(self.peak_mapped_deleted, md)
             self.peak = max(self.peak, f + md)
@@ -294,7 +304,8 @@ def run_epochs(ds: Any, epochs: int, batch_size: int, workers: int, seed: int, c
                "gets": gets_since(lo)}
         if sampler is not None:
             rec.update(tier_peak=sampler.peak, tier_peak_files=sampler.peak_files,
-                       tier_peak_mapped_deleted=sampler.peak_mapped_deleted, tier_end=sampler.files())
+                       tier_peak_mapped_deleted=sampler.peak_mapped_deleted, tier_end=sampler.files(),
+                       tier_peak_kinds=sampler.peak_kinds)
         out.append(rec)
         log(f"  epoch {e + 1}: {json.dumps(rec)}")
     return out

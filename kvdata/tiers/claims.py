@@ -309,7 +309,7 @@ class ReadModes:
                 if k not in v.aware and k not in totals and k not in announced:
                     totals[k] = own[k].total
             totals = {k: b for k, b in totals.items() if k not in v.aware}
-            v.quota = policy.random_quotas(t.budget, totals, bool(v.aware))
+            v.quota = policy.random_quotas(t.room(), totals, bool(v.aware))
             for k, q in v.quota.items():
                 d = own.get(k)
                 if d is None:

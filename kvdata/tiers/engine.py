@@ -306,7 +306,7 @@ class Engine:
             for t in tiers:  # random-order datasets' resident sets are not ours to plan with
                 resident = t.resident()
                 kept += sum(resident.get(s, 0) for s in self.modes.protected(t, resident))
-            room = sum(t.budget for t in tiers) - kept - KEEP_HEADROOM * shard  # room to stage while readers map
+            room = sum(t.room() for t in tiers) - kept - KEEP_HEADROOM * shard  # room to stage while readers map
             keep = policy.keep_for_next_pass(demands, sizes, room, shard)
             announced = frozenset(s for d in demands for s in d.sequence)
         self._keep_cache = (now + KEEP_TTL, keep, announced)
@@ -460,7 +460,7 @@ class Engine:
         policy order, and the temp file is created at full size before the lock is let go.
         A need-now shard waits a little for room that is about to free up (copies another
         process just staged, temp files in flight); NoRoomError if none comes."""
-        if size > tier.budget:
+        if size > tier.room():
             raise NoRoomError(tier.name)
         deadline = time.monotonic() + (NEED_WAIT if need_now else 0.0)
         while True:
@@ -486,10 +486,11 @@ class Engine:
         resident = tier.resident()
         temps = tier.temps()
         used = sum(resident.values()) + sum(temps.values())
+        room = tier.room()  # (the budget less the datasets' indexes kept in this tier)
         soon = bool(temps)
         keep = pinned | self.modes.protected(tier, resident)  # random-order datasets' resident sets stay
         for victim in policy.eviction_order(resident, demands, in_use=keep):
-            if used + incoming <= tier.budget:
+            if used + incoming <= room:
                 break
             why = tier.evict_one(victim, grace=self._grace(victim))
             if why == "gone":
@@ -497,7 +498,7 @@ class Engine:
                 used -= resident[victim]
             elif why == "recent":
                 soon = True
-        return used + incoming <= tier.budget, soon
+        return used + incoming <= room, soon
 
     # ------------------------------------------------------------ order-aware prefetch
 
@@ -574,9 +575,9 @@ class Engine:
             resident = tier.resident()
             kept = self.modes.protected(tier, resident)  # random-order resident sets: not ours to plan with
             in_use = pinned | tier.held(list(resident)) | kept
-            room = tier.budget - sum(resident.get(s, 0) for s in kept)
+            room = tier.room() - sum(resident.get(s, 0) for s in kept)
             depth = policy.prefetch_depth(self.lookahead, room, shard_bytes, self.lookahead_share)
-            plan = policy.plan_tier(tier.budget, sizes, resident, demands, in_use=in_use, lookahead=depth)
+            plan = policy.plan_tier(tier.room(), sizes, resident, demands, in_use=in_use, lookahead=depth)
             for sha in plan.stage:
                 if busy >= 2 * self._workers:
                     return
@@ -628,9 +629,10 @@ class Engine:
         for t in self.tiers:
             ok = t.healthy()
             res = t.resident()
-            used = sum(res.values()) + sum(t.temps().values())
+            metadata = t.metadata_bytes()  # remote datasets' indexes kept here count against the budget
+            used = sum(res.values()) + sum(t.temps().values()) + metadata
             tiers.append({"name": t.name, "path": str(t.root), "budget": t.budget, "used": used,
-                          "shards": len(res), "ok": ok, "problem": t.problem})
+                          "metadata": metadata, "shards": len(res), "ok": ok, "problem": t.problem})
         s = self.stats
         lookups = s.hits + s.misses
         with self._lock:

@@ -67,6 +67,8 @@ from ..config import TierConfig
 from ..format import names
 
 PIN_SECONDS = 5.0
+METADATA_DIR = "datasets"  # kvdata.tiers.mirror.cache_root puts remote datasets' indexes here
+METADATA_TTL = 2.0
 EVICT_GRACE = 2.0
 TRUST_RECHECK = 30.0  # seconds a directory's trust verdict is kept (only its owner, us or root, can change it)
 PROTECTED_HARDLINKS = Path("/proc/sys/fs/protected_hardlinks")
@@ -103,6 +105,29 @@ class Tier:
         # client kept, a map whose reader lock was dropped) is not evicted either; unlinked,
         # its bytes would stay in the tier, uncounted, until the last map goes (_lease)
         self.probe_open = False
+        self._metadata: tuple[float, int] = (0.0, 0)
+
+    def metadata_bytes(self) -> int:
+        """Bytes of the remote datasets' verified manifests and indexes kept under this tier
+        (kvdata.tiers.mirror.cache_root: the last tier's `datasets/`): they take the tier's disk
+        like copies do, so the budget counts them; rescanned at most every METADATA_TTL seconds."""
+        now = time.monotonic()
+        until, size = self._metadata
+        if now < until:
+            return size
+        size = 0
+        for dirpath, _dirs, files in os.walk(self.root / METADATA_DIR):
+            for f in files:
+                try:
+                    size += os.lstat(os.path.join(dirpath, f)).st_size
+                except OSError:
+                    continue
+        self._metadata = (now + METADATA_TTL, size)
+        return size
+
+    def room(self) -> int:
+        """The budget less the datasets' metadata kept here: what copies and temp files may take."""
+        return max(0, self.budget - self.metadata_bytes())
 
     def ensure(self) -> None:
         """Create the tier's directories (at start only: a directory that vanishes later is

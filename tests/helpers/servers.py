@@ -269,6 +269,14 @@ def tiers_config(root: Path, *budgets: tuple[str, str | int]) -> Config:
                                    for name, budget in budgets]})
 
 
+def metadata_bytes(dataset: Path) -> int:
+    """About what a remote copy of this dataset's manifest and index takes in the last tier
+    (kvdata.tiers.mirror: counted against its budget), rounded up: add it to a budget meant
+    to hold a given number of shards."""
+    files = [dataset / "manifest.json", *(dataset / "index").iterdir()]
+    return sum(f.stat().st_size for f in files) + 4096
+
+
 def write_toml(path: Path, root: Path, *budgets: tuple[str, str | int]) -> Path:
     lines = []
     for name, budget in budgets:

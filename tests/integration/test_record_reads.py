@@ -31,7 +31,7 @@ from kvdata.tiers.homes import open_home
 from kvdata.tiers.tier import Tier
 
 from helpers.daemon import Kit
-from helpers.servers import NginxHome, S3Server, push_s3, push_local, tiers_config
+from helpers.servers import NginxHome, S3Server, metadata_bytes, push_s3, push_local, tiers_config
 
 N = 60
 SHAPE = (160, 160, 3)     # 76.8 KB of noise per sample: incompressible, like photos
@@ -419,7 +419,8 @@ def test_kvdatad_tells_its_readers_when_its_tier_is_congested(env: Env, kit: Kit
     held, second, third = sorted((e for e in env.entries if e.bytes == size), key=lambda e: e.id)[:3] \
         if sum(e.bytes == size for e in env.entries) >= 3 else (by_id[0], by_id[1], by_id[2])
     cfg = kit.root / "one-tier.toml"
-    cfg.write_text(f'[[tiers]]\nname = "ram"\npath = "{kit.tiers["ram"]}"\nbudget = {max(held.bytes, second.bytes)}\n'
+    budget = max(held.bytes, second.bytes) + metadata_bytes(env.src)  # (its index mirror counts too)
+    cfg.write_text(f'[[tiers]]\nname = "ram"\npath = "{kit.tiers["ram"]}"\nbudget = {budget}\n'
                    f'[daemon]\nallow_homes = ["{url.rsplit("/", 1)[0]}/"]\n')
     d = kit.daemon(config=cfg)
     for k, v in kit.env().items():
@@ -531,3 +532,27 @@ def test_dataloader_workers_stage_only_the_keep_set_of_the_samplers_order(env: E
             assert resident <= set().union(*keeps[-2:]), "a worker staged whole a shard read once this epoch"
     finally:
         ds.store.close()
+
+
+def test_a_tiers_budget_counts_the_remote_datasets_index_kept_in_it(env: Env, tmp_path: Path) -> None:
+    """The verified manifest and index of a remote dataset live in the last tier (mirror
+    cache_root): the budget bounds everything under the tier's directory, copies and that index
+    alike, and `status` counts both."""
+    url = env.publish("http")
+    size = max(e.bytes for e in env.entries)
+    budget = 2 * size + metadata_bytes(env.src) // 2  # the index takes room two whole copies would need
+    cfg = tiers_config(tmp_path / "tiers", ("ssd", budget))
+    st = open_dataset(url, config=cfg, use_daemon=False)
+    try:
+        rng = np.random.default_rng(0)
+        for _epoch in range(2):  # random order: a resident set, the rest record by record
+            perm = rng.permutation(N).tolist()
+            for i in range(0, N, 8):
+                got = st.get_many(perm[i:i + 8])
+                assert [as_tuple(v) for v in got] == [env.ref[j] for j in perm[i:i + 8]]
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "tiers" / "ssd").rglob("*") if p.is_file())
+        tier = st.engine.status()["tiers"][0]
+        assert tier["metadata"] > 0 and tier["used"] <= budget and on_disk <= budget, (tier, on_disk, budget)
+        assert tier["shards"] == 1  # two copies would not fit beside the index
+    finally:
+        st.close()

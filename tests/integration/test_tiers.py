@@ -38,6 +38,7 @@ from helpers.servers import (
     NginxHome,
     S3Server,
     build_dataset,
+    metadata_bytes,
     publish_http,
     push_local,
     push_s3,
@@ -518,7 +519,7 @@ def test_prefetch_goes_on_around_a_shard_held_by_a_reader(homes: Homes, tmp_path
     full = [e for e in src.entries if int(e["bytes"]) == size]
     held = min(full, key=lambda e: e["sha256"])  # first among never-needed shards in eviction order
     others = [e for e in full if e is not held]
-    cfg = tiers_config(tmp_path / "tiers", ("ssd", 4 * size))
+    cfg = tiers_config(tmp_path / "tiers", ("ssd", 4 * size + metadata_bytes(src.path)))
     st = open_dataset(homes.urls["http"], config=cfg)
     tier = Tier(cfg.tiers[0])
     try:
@@ -653,7 +654,7 @@ def test_a_tier_full_of_held_copies_sends_reads_record_by_record(homes: Homes, t
     size = src.largest
     full = [e for e in src.entries if int(e["bytes"]) == size]
     assert len(full) >= 3
-    cfg = tiers_config(tmp_path / "tiers", ("ssd", size))  # room for one shard
+    cfg = tiers_config(tmp_path / "tiers", ("ssd", size + metadata_bytes(src.path)))  # room for one shard
     st = open_dataset(homes.urls["http"], config=cfg)
     try:
         eng = st.engine
