@@ -29,7 +29,8 @@ index (`open`). docs/SECURITY.md is the trust model.
 | reload   | -                                               | tiers                        |
 
 A `want` with no shards asks how the dataset is read: its reply has mode, resident_below and,
-while the tiers are congested, congested and staged (see docs/DAEMON.md).
+while the tiers are congested, congested and staged; for a shard-aware dataset larger than the
+tiers, whole (see docs/DAEMON.md).
 
 Bracketed fields are what a client whose uid may not name local paths sends for a
 local dataset: `ahead` is [[id, kind], ...] and `kinds` [kind, ...] (kind "mdb" or
