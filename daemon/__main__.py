@@ -114,14 +114,16 @@ class Daemon:
         sd_notify("STOPPING=1\nSTATUS=stopping")
         log.info("stopping")
         pinger.cancel()
-        self.watcher.stop()
-        await self.server.stop()
-        if self.metrics is not None:
-            self.metrics.stop()
-        # Abort staging; a copy stuck in a slow read is abandoned after a bound (its temp file
-        # never gets a real name and is removed at the next start), so SIGTERM always exits.
+        # Abort staging first: stopping the watcher can take seconds while its observer drains a
+        # burst of events (reading 1,500 shard files of a watched home is one), and staging must
+        # not go on meanwhile. A copy stuck in a slow read is abandoned after a bound (its temp
+        # file never gets a real name and is removed at the next start), so SIGTERM always exits.
         closer = threading.Thread(target=self.service.engine.close, kwargs={"abort": True}, daemon=True)
         closer.start()
+        await self.server.stop()  # the socket goes first: clients learn at once
+        self.watcher.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         closer.join(timeout=SHUTDOWN_WAIT)
         if closer.is_alive():
             log.warning("staging did not stop within %.0f s; exiting anyway", SHUTDOWN_WAIT)

@@ -19,6 +19,9 @@ from .state import Service
 DEBOUNCE = 0.3
 
 
+STOP_WAIT = 1.0  # seconds stop() waits for the observer thread
+
+
 class _Handler(FileSystemEventHandler):
     def __init__(self, on_path: Callable[[str], None]) -> None:
         self._on_path = on_path
@@ -65,10 +68,13 @@ class Watcher:
     def _new_watches(self) -> list[str]:
         added = []
         for loc in self.service.local_datasets():
-            if loc not in self._watched and Path(loc).is_dir():
-                self._observer.schedule(_Handler(self._event), loc, recursive=False)
-                self._watched.add(loc)
-                added.append(loc)
+            with self._lock:  # never a new watch on an observer that stop() is stopping
+                if self._stopped:
+                    break
+                if loc not in self._watched and Path(loc).is_dir():
+                    self._observer.schedule(_Handler(self._event), loc, recursive=False)
+                    self._watched.add(loc)
+                    added.append(loc)
         return added
 
     def _watched_now(self, fut: asyncio.Future[list[str]]) -> None:
@@ -95,11 +101,14 @@ class Watcher:
         self._pending[key] = self.loop.call_later(DEBOUNCE, lambda: self.loop.run_in_executor(self._pool, fn))
 
     def stop(self) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
         self._poll.cancel()
         for h in self._pending.values():
             h.cancel()
         if self._observer is not None:
             self._observer.stop()
-            self._observer.join(timeout=5)
+            # its threads are daemon threads: a shutdown waits a moment for them, not for a
+            # backlog of events to drain
+            self._observer.join(timeout=STOP_WAIT)
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -390,9 +390,9 @@ def test_reader_keeps_reading_when_the_daemon_is_killed(kit: Kit) -> None:
 
 
 def test_sigterm_during_staging_exits_0_and_leaves_no_partials(kit: Kit) -> None:
-    # many small shards: per-copy fsyncs make staging take a while (600: 120 were all staged
-    # within one 50 ms status poll on a fast run)
-    home = build_dataset(kit.root / "many", n=600, shard_size="32KB", noise=30_000, compress=False)
+    # many small shards: per-copy fsyncs make staging take a while (120 were all staged within
+    # one 50 ms status poll on a fast run, and 600 once before SIGTERM landed in a full CI run)
+    home = build_dataset(kit.root / "many", n=1500, shard_size="32KB", noise=30_000, compress=False)
     shas = {e["sha256"] for e in manifest(home)["shards"]}
     d = kit.daemon()
     waiter_result: list[object] = []
