@@ -253,7 +253,8 @@ class Engine:
         its dataset is read shard-aware (an announced order), or it is in its random-order
         dataset's resident set. False: read its samples record by record (a copy that a
         shard-aware phase left in a tier is not used: mapped, it could not be evicted)."""
-        self._known.setdefault(entry.sha256, _Known(home, entry))  # (a worker may not have seen it yet)
+        if entry.sha256 not in self._known:  # (a worker may not have seen it yet; no object per call)
+            self._known[entry.sha256] = _Known(home, entry)
         self._name(home, entry)
         local = home.local_path(f"shards/{entry.name}")
         if local is not None and not self.config.stage_local and local.exists():

@@ -370,29 +370,20 @@ class Tier:
 
     def claims(self, prefix: str) -> dict[str, bytes]:
         """name -> content (at most 256 bytes) of this uid's claim files whose name starts with
-        `prefix` and that some process holds (an exclusive probe fails)."""
-        out: dict[str, bytes] = {}
+        `prefix` and that some process holds (an exclusive probe fails). A claim nobody holds is
+        left alone: claim files are shared by name, and its next holder may be about to lock it."""
         try:
             d = self._claims_dir(create=False)
-            names_ = [n for n in os.listdir(d) if n.startswith(prefix)]
+            listed = os.listdir(d)
         except OSError:
-            return out
-        for n in names_:
-            try:
-                fd = os.open(d / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                if os.fstat(fd).st_uid != os.geteuid():
-                    continue
+            return {}
+        out: dict[str, bytes] = {}
+        for n, fd, _st, held in self._probe(d, listed, prefix):
+            if held:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
                     out[n] = os.pread(fd, 256, 0)
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
+                except OSError:
+                    continue
         return out
 
     def publish(self, name: str, data: bytes) -> int:
@@ -436,11 +427,29 @@ class Tier:
             listed = os.listdir(d)
         except OSError:
             return
-        found = [n for n in listed if n.startswith(prefix)]
         for n in listed:  # a publisher killed before its file got its name left the temp name
             if n.startswith(f".{prefix}"):
                 self._remove_unheld(d / n)
-        for n in found:
+        for n, fd, st, held in self._probe(d, listed, prefix):
+            if held:
+                yield n, fd, st
+                continue
+            try:
+                now = os.lstat(d / n)
+            except OSError:
+                continue
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                unlink_quiet(d / n)  # its publisher is gone (a live one holds it from before its name)
+
+    @staticmethod
+    def _probe(d: Path, listed: list[str], prefix: str) -> Iterator[tuple[str, int, os.stat_result, bool]]:
+        """(name, read-only descriptor, stat, whether another process holds it) of this uid's
+        regular files in `d` whose name starts with `prefix`, opened without following links;
+        each descriptor is closed when the iteration moves on (an unheld one is exclusively
+        locked by us until then)."""
+        for n in listed:
+            if not n.startswith(prefix):
+                continue
             try:
                 fd = os.open(d / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
@@ -451,12 +460,10 @@ class Tier:
                     continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = False
                 except BlockingIOError:
-                    yield n, fd, st
-                    continue
-                now = os.lstat(d / n)
-                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                    unlink_quiet(d / n)  # its publisher is gone (a live one holds it from before its name)
+                    held = True
+                yield n, fd, st, held
             except OSError:
                 continue
             finally:

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -718,19 +719,28 @@ class _Endless(BaseHTTPRequestHandler):
 def test_remote_manifest_was_read_whole_into_memory(tmp_path: Path) -> None:
     """Regression: a remote manifest was read whole into memory. It is read with a cap and
     the error names the URL and the limit."""
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Endless)
+    with _serving(_Endless) as base:
+        url = f"{base}/ds"
+        home = HTTPHome(url)
+        try:
+            with pytest.raises(RemoteError) as e:
+                mirror(home, tmp_path)
+            assert f"{url}/manifest.json" in str(e.value) and str(MAX_MANIFEST_BYTES) in str(e.value), e.value
+            assert len(home.read_range("index/x", 10, 100)) == 100  # a ranged read takes only what it asked for
+        finally:
+            home.close()
+
+
+@contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 with this handler, for the block: its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
     server.daemon_threads = True
     th = threading.Thread(target=server.serve_forever, daemon=True)
     th.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/ds"
-    home = HTTPHome(url)
     try:
-        with pytest.raises(RemoteError) as e:
-            mirror(home, tmp_path)
-        assert f"{url}/manifest.json" in str(e.value) and str(MAX_MANIFEST_BYTES) in str(e.value), e.value
-        assert len(home.read_range("index/x", 10, 100)) == 100  # a ranged read takes only what it asked for
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
-        home.close()
         server.shutdown()
         server.server_close()
         th.join(10)
@@ -758,24 +768,17 @@ def test_remote_index_files_are_streamed_to_their_declared_size_and_checked(tmp_
             else:
                 super().do_GET()
 
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Hostile)
-    server.daemon_threads = True
-    th = threading.Thread(target=server.serve_forever, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/ds"
-    home = HTTPHome(url)
-    try:
-        with pytest.raises(CorruptDatasetError) as e:
-            mirror(home, tmp_path / "mirrors")
-        assert "/index/" in str(e.value) and "\n" not in str(e.value), e.value
-        written = {p.name: p.stat().st_size for p in (tmp_path / "mirrors").rglob("*") if p.is_file()}
-        assert not [n for n in written if ".tmp" in n], written
-        assert all(size <= max(declared.values()) for size in written.values()), (written, declared)
-    finally:
-        home.close()
-        server.shutdown()
-        server.server_close()
-        th.join(10)
+    with _serving(Hostile) as base:
+        home = HTTPHome(f"{base}/ds")
+        try:
+            with pytest.raises(CorruptDatasetError) as e:
+                mirror(home, tmp_path / "mirrors")
+            assert "/index/" in str(e.value) and "\n" not in str(e.value), e.value
+            written = {p.name: p.stat().st_size for p in (tmp_path / "mirrors").rglob("*") if p.is_file()}
+            assert not [n for n in written if ".tmp" in n], written
+            assert all(size <= max(declared.values()) for size in written.values()), (written, declared)
+        finally:
+            home.close()
 
 
 def test_remote_home_not_in_allow_homes_is_refused_and_the_reader_stages_in_process(kit: Kit, tmp_path: Path,
