@@ -364,12 +364,12 @@ class DaemonStager:
                 del self._copies[sha]
                 os.close(fd)
 
-    def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
-        """In-process, from the home's framed cold copy (kvdata.tiers.records), as EngineSource
-        does; None for a local home (read in place) or a copy without a seek table."""
+    def read_records(self, requests: Sequence[tuple[ShardEntry, Sequence[int]]]) -> list[list[bytes] | None]:
+        """In-process, from the home's framed cold copies (kvdata.tiers.records), as EngineSource
+        does; None for a shard of a local home (read in place) or a copy without a seek table."""
         from ..tiers.records import reader_for
 
-        return reader_for(self._home).read(entry, slots)
+        return reader_for(self._home).read_many(requests)
 
     def mapped(self, entry: ShardEntry) -> None:
         if self._fallback is not None:

@@ -12,7 +12,6 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -165,8 +164,8 @@ class Reader:
     def _read_records(self, where: np.ndarray, sh: np.ndarray, slots: np.ndarray, r: np.ndarray, hk: np.ndarray,
                       out: list[Any], copy: bool) -> np.ndarray | None:
         """Samples of a batch whose shard has no mapped copy and which the source does not want
-        whole: their records come from `source.read_records` (every shard of the batch at once,
-        on a few threads, so all their fetches are in flight together) and are decoded here.
+        whole: their records come from `source.read_records` (every shard of the batch in one
+        call, so all their fetches are in flight together) and are decoded here.
         Returns which of `where` were read (None: none); a shard the source answers None for is
         left to the whole-shard path."""
         source = self.source
@@ -180,15 +179,7 @@ class Reader:
         groups = {s: np.nonzero(sh == s)[0].tolist() for s in cold}
         slot_l = slots.tolist()
         todo = list(groups)
-
-        def fetch(s: int) -> list[bytes] | None:
-            return source.read_records(shards[s], [slot_l[i] for i in groups[s]])
-
-        if len(todo) == 1:
-            got = [fetch(todo[0])]
-        else:  # threads for this batch only: a closed store leaves none behind
-            with ThreadPoolExecutor(min(len(todo), RECORDS_THREADS), thread_name_prefix="kvdata-records-batch") as ex:
-                got = list(ex.map(fetch, todo))
+        got = source.read_records([(shards[s], [slot_l[i] for i in groups[s]]) for s in todo])
         done = np.zeros(len(where), dtype=bool)
         sizes, hks = r["size"].tolist(), hk.tolist()
         for s, values in zip(todo, got):
@@ -421,12 +412,15 @@ class Reader:
         if source is None:
             return
         sealed = rec >= 0
-        for s in np.unique(shard[sealed]).tolist():  # per shard, not per sample
-            entry = self.gen.shards[s]
-            if self._handles[s] is not None or source.wants_whole(entry):
-                continue
-            js = np.nonzero(sealed & (shard == s))[0].tolist()
-            values = source.read_records(entry, [int(slot[j]) for j in js])
+        shards = self.gen.shards
+        cold = [s for s in np.unique(shard[sealed]).tolist()  # per shard, not per sample
+                if self._handles[s] is None and not source.wants_whole(shards[s])]
+        if not cold:
+            return
+        groups = [np.nonzero(sealed & (shard == s))[0].tolist() for s in cold]
+        got = source.read_records([(shards[s], [int(slot[j]) for j in js]) for s, js in zip(cold, groups)])
+        for s, js, values in zip(cold, groups, got):
+            entry = shards[s]
             if values is None:
                 continue
             if len(values) != len(js):
@@ -500,7 +494,6 @@ class Reader:
             return False
 
 
-RECORDS_THREADS = 32  # shards of one batch read record by record at once
 
 
 def _lmdb_error(path: Path, e: Exception) -> CorruptDatasetError:

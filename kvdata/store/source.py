@@ -41,10 +41,10 @@ class ShardSource(Protocol):
         """Whether this shard is read through a whole copy (staged, announced, resident, or
         read in place); False: its samples are read record by record (`read_records`)."""
 
-    def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
-        """The stored record bytes (LMDB values) of these slots of a shard, each read on its own
-        from the home and verified; None when this source cannot (the reader then stages the
-        shard whole)."""
+    def read_records(self, requests: Sequence[tuple[ShardEntry, Sequence[int]]]) -> list[list[bytes] | None]:
+        """For each (shard, slots): the stored record bytes (LMDB values) of those slots, each
+        read on its own from the home and verified -- every shard of the call fetched at once;
+        None for a shard this source cannot read so (the reader then stages it whole)."""
 
     def need(self, entries: Sequence[ShardEntry]) -> None:
         """A batch needs these unmapped shards now: start them all at once."""

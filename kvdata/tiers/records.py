@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import zstandard
@@ -35,6 +36,18 @@ T = TypeVar("T")
 IN_FLIGHT = 32            # ranged GETs in flight per process (one per pool thread)
 MAX_TABLES = 256          # seek tables kept per home
 MAX_RUN = 8 << 20         # adjacent frames coalesced into one GET up to this many compressed bytes
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One shard's part of a read: the object, its table, each slot's [a, b) in the shard,
+    how many bytes of each frame are needed, and the [lo, hi) frame runs to GET."""
+
+    name: str
+    table: frames.SeekTable
+    want: list[tuple[int, int]]
+    needed: dict[int, int]
+    runs: list[tuple[int, int]]
 
 
 class RecordReader:
@@ -123,9 +136,46 @@ class RecordReader:
     def read(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
         """The LMDB values of these slots, verified; None when this shard cannot be read so
         (no seek table or slot directory, a local home): the caller stages it whole."""
-        if not self.usable(entry):
-            return None
-        t = self.table(entry)
+        return self.read_many([(entry, slots)])[0]
+
+    def read_many(self, requests: Sequence[tuple[ShardEntry, Sequence[int]]]) -> list[list[bytes] | None]:
+        """`read` for the shards of a whole batch at once: the seek tables not yet known load
+        concurrently, then every frame GET of every shard is in flight together on the shared
+        pool -- the batch waits about one round trip, not one per shard, and no thread is
+        started per batch."""
+        out: list[list[bytes] | None] = [None] * len(requests)
+        usable = [i for i, (entry, _slots) in enumerate(requests) if self.usable(entry)]
+        loads = {i: _POOL.submit(self.table, requests[i][0]) for i in usable if not self._known(requests[i][0])}
+        plans: list[tuple[int, _Plan, list[Future[bytes]]]] = []
+        try:
+            for i in usable:
+                entry, slots = requests[i]
+                fut = loads.get(i)
+                t = fut.result() if fut is not None else self.table(entry)
+                plan = self._plan(entry, t, slots)
+                if plan is None:
+                    continue
+                futs = [_POOL.submit(self._fetch, plan.name, int(t.c_off[lo]), int(t.c_off[hi] - t.c_off[lo]))
+                        for lo, hi in plan.runs]
+                plans.append((i, plan, futs))
+            for i, plan, futs in plans:
+                out[i] = self._finish(requests[i][0], plan, futs)
+        finally:
+            for fut in loads.values():
+                fut.cancel()
+            for _i, _plan, futs in plans:
+                for f in futs:
+                    f.cancel()
+        return out
+
+    def _known(self, entry: ShardEntry) -> bool:
+        z = entry.zst
+        assert z is not None
+        with self._lock:
+            return (z.sha256, z.seek_sha256) in self._tables
+
+    def _plan(self, entry: ShardEntry, t: frames.SeekTable, slots: Sequence[int]) -> _Plan | None:
+        """Which byte range of the shard each slot is, and which runs of frames hold them."""
         if t.slot_off is None or t.slot_size is None:
             return None
         z = entry.zst
@@ -143,22 +193,21 @@ class RecordReader:
             if b > a:
                 for f in t.frames_of(a, b):
                     needed[f] = max(needed.get(f, 0), min(b, int(t.u_off[f + 1])) - int(t.u_off[f]))
-        runs = _runs(sorted(needed), t)
-        futs = [_POOL.submit(self._fetch, name, int(t.c_off[lo]), int(t.c_off[hi] - t.c_off[lo])) for lo, hi in runs]
+        return _Plan(name, t, want, needed, _runs(sorted(needed), t))
+
+    def _finish(self, entry: ShardEntry, plan: _Plan, futs: list[Future[bytes]]) -> list[bytes]:
+        """The records of one shard once its GETs answer: each frame checked, then cut."""
+        t = plan.table
         plain: dict[int, bytes] = {}
         dctx = zstandard.ZstdDecompressor()
-        try:
-            for (lo, hi), fut in zip(runs, futs):
-                blob = memoryview(fut.result())
-                base = int(t.c_off[lo])
-                for f in range(lo, hi):
-                    frame = blob[int(t.c_off[f]) - base:int(t.c_off[f + 1]) - base]
-                    plain[f] = self._decompress(entry, t, f, frame, dctx, needed[f])
-        finally:
-            for fut in futs:
-                fut.cancel()
+        for (lo, hi), fut in zip(plan.runs, futs):
+            blob = memoryview(fut.result())
+            base = int(t.c_off[lo])
+            for f in range(lo, hi):
+                frame = blob[int(t.c_off[f]) - base:int(t.c_off[f + 1]) - base]
+                plain[f] = self._decompress(entry, t, f, frame, dctx, plan.needed[f])
         out: list[bytes] = []
-        for a, b in want:
+        for a, b in plan.want:
             if b == a:
                 out.append(b"")
                 continue

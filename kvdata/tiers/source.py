@@ -54,13 +54,13 @@ class EngineSource:
     def wants_whole(self, entry: ShardEntry) -> bool:
         return self.engine.wants_whole(self._home, entry)  # the policy for unannounced orders (engine.py)
 
-    def read_records(self, entry: ShardEntry, slots: Sequence[int]) -> list[bytes] | None:
-        """From the home's framed cold copy (kvdata.tiers.records); None for a local home
-        (read in place) or a copy without a seek table (staged whole)."""
+    def read_records(self, requests: Sequence[tuple[ShardEntry, Sequence[int]]]) -> list[list[bytes] | None]:
+        """From the home's framed cold copies (kvdata.tiers.records); None for a shard of a
+        local home (read in place) or a copy without a seek table (staged whole)."""
         from .records import reader_for
 
         engine = self.engine
-        return reader_for(self._home, lambda n: engine.count("bytes_from_home", n)).read(entry, slots)
+        return reader_for(self._home, lambda n: engine.count("bytes_from_home", n)).read_many(requests)
 
     def need(self, entries: Sequence[ShardEntry]) -> None:
         self.engine.start_many(self._home, list(entries))

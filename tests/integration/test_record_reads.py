@@ -251,8 +251,8 @@ def test_the_daemon_stager_reads_records_in_process(env: Env, tmp_path: Path) ->
     try:
         e = env.entries[1]
         slots = [0, e.records - 1, 2]
-        got = stager.read_records(e, slots)
-        assert got is not None and len(got) == 3
+        got, other = stager.read_records([(e, slots), (env.entries[0], [1])])
+        assert got is not None and len(got) == 3 and other is not None and len(other) == 1
         base = env.shard_samples(1)[0]
         with kvdata.open(env.src) as local:
             assert [as_tuple(local._reader.decode_value(v, True)) for v in got] == [env.ref[base + s] for s in slots]
