@@ -27,8 +27,9 @@ reader fetches the table with one ranged GET, checks it against the manifest, an
 it fetches later against the table. `decode_seek_table` treats the bytes as hostile: any
 inconsistency is a CorruptDatasetError, nothing else.
 
-Cutting: a frame ends only on an LMDB page boundary that no record value crosses; frames
-grow to `target` bytes, and a value larger than that gets a frame of its own. The value
+Cutting: a frame ends only where no record value is cut (a value's first or last byte, or a
+page boundary no value crosses); frames grow to `target` bytes, and a value larger than that
+is a frame of exactly its bytes. The value
 ranges come from the caller (the side-index rows) or from the LMDB file itself
 (`lmdb_values`: a walk of its B-tree from the newest meta page's root).
 """
@@ -178,8 +179,11 @@ def frame_target(slots: np.ndarray | None) -> int:
 
 
 def frame_cuts(size: int, slots: np.ndarray | None, psize: int, target: int = FRAME_TARGET) -> list[tuple[int, int]]:
-    """[start, end) of each frame: ends on page boundaries no value crosses, frames of up to
-    `target` bytes, a value larger than that alone in its frame (with its page's remainder)."""
+    """[start, end) of each frame: frames of up to `target` bytes that end where no value is
+    cut (a value's start or end, or a page boundary no value crosses); a value larger than
+    `target` is alone in its frame, exactly its bytes. Cutting at the values themselves, not
+    only at pages, keeps a record read from fetching the page header and the unused rest of
+    the value's last page (about 2 KiB of every 151 KB image read by record at 4 KiB pages)."""
     if size <= 0:
         return []
     npages = -(-size // psize)
@@ -194,6 +198,9 @@ def frame_cuts(size: int, slots: np.ndarray | None, psize: int, target: int = FR
         np.add.at(inside, last[ok] + 1, -1)
     crossed = np.cumsum(inside)[1:npages]          # boundaries 1 .. npages-1
     bounds = (np.nonzero(crossed == 0)[0] + 1) * psize
+    if slots is not None and len(slots):
+        ends = np.concatenate([a[b > a], b[b > a]])
+        bounds = np.unique(np.concatenate([bounds, ends[(ends > 0) & (ends < size)]]))
     cuts: list[tuple[int, int]] = []
     start = prev = 0
     for end in [*bounds.tolist(), size]:

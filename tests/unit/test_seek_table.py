@@ -213,8 +213,17 @@ def test_frames_never_cut_a_record(shards: list[Path]) -> None:
             assert off + size <= cuts[f][1], (path.name, off, size, cuts[f])
         for a, b in cuts:
             inside = sl[(sl["offset"] >= a) & (sl["offset"] < b)]
-            if b - a > 64 << 10:  # only a frame holding one large value may exceed the target
-                assert inside["size"].max() > (64 << 10) - 8192, (path.name, a, b)
+            if b - a > 64 << 10:  # only a frame holding one large value may exceed the target ...
+                assert len(inside) == 1 and (a, b) == (int(inside["offset"][0]), int(inside["offset"][0] + inside["size"][0])), \
+                    (path.name, a, b)  # ... and it is exactly that value: a record read fetches no page padding
+
+
+def test_a_large_value_is_a_frame_of_exactly_its_bytes() -> None:
+    sl = np.zeros(2, dtype=frames.SLOT_DTYPE)
+    sl["offset"], sl["size"] = [4096 * 3 + 16, 4096 * 60 + 16], [150_000, 1000]
+    cuts = frames.frame_cuts(4096 * 61, sl, 4096, 64 << 10)
+    assert (4096 * 3 + 16, 4096 * 3 + 16 + 150_000) in cuts
+    assert cuts[0][0] == 0 and cuts[-1][1] == 4096 * 61 and all(x[1] == y[0] for x, y in zip(cuts, cuts[1:]))
 
 
 def test_compress_file_frames_and_round_trips(shards: list[Path], tmp_path: Path) -> None:
