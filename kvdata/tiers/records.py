@@ -3,7 +3,7 @@
 The shard's cold copy is framed (kvdata.format.frames): zstd frames cut at record
 boundaries and a seek table whose size and sha256 the manifest records. A read fetches the
 table once per shard (cached, checked against the manifest), finds the frames holding the
-requested slots, fetches them with ranged GETs -- adjacent frames coalesced, every GET of
+requested slots, fetches them with ranged GETs -- adjacent frames (or ones a small gap apart) coalesced, every GET of
 the call in flight at once on a shared pool --, checks each frame against the table's
 digest before decompressing it, and cuts the records out. A frame that does not match is
 refused (ChecksumMismatchError naming the shard and the frame); nothing unverified is ever
@@ -36,6 +36,7 @@ T = TypeVar("T")
 IN_FLIGHT = 32            # ranged GETs in flight per process (one per pool thread)
 MAX_TABLES = 256          # seek tables kept per home
 MAX_RUN = 8 << 20         # adjacent frames coalesced into one GET up to this many compressed bytes
+GAP_BYTES = 16 << 10      # ... across frames not wanted of at most this many bytes (a GET costs more)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,8 @@ class RecordReader:
             blob = memoryview(fut.result())
             base = int(t.c_off[lo])
             for f in range(lo, hi):
+                if f not in plan.needed:  # a gap between wanted frames, fetched to save a GET
+                    continue
                 frame = blob[int(t.c_off[f]) - base:int(t.c_off[f + 1]) - base]
                 plain[f] = self._decompress(entry, t, f, frame, dctx, plan.needed[f])
         out: list[bytes] = []
@@ -305,10 +308,13 @@ os.register_at_fork(after_in_child=_POOL.after_fork)
 
 
 def _runs(frame_ids: list[int], t: frames.SeekTable) -> list[tuple[int, int]]:
-    """[lo, hi) runs of adjacent frames, each at most MAX_RUN compressed bytes (or one frame)."""
+    """[lo, hi) runs of frames to GET, each at most MAX_RUN compressed bytes (or one frame):
+    wanted frames that are adjacent, or apart by at most GAP_BYTES of frames not wanted (the
+    page header and padding between two values are frames of their own), share one GET."""
     runs: list[tuple[int, int]] = []
     for f in frame_ids:
-        if runs and runs[-1][1] == f and int(t.c_off[f + 1] - t.c_off[runs[-1][0]]) <= MAX_RUN:
+        if runs and int(t.c_off[f] - t.c_off[runs[-1][1]]) <= GAP_BYTES \
+                and int(t.c_off[f + 1] - t.c_off[runs[-1][0]]) <= MAX_RUN:
             runs[-1] = (runs[-1][0], f + 1)
         else:
             runs.append((f, f + 1))

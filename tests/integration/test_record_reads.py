@@ -556,3 +556,29 @@ def test_a_tiers_budget_counts_the_remote_datasets_index_kept_in_it(env: Env, tm
         assert tier["shards"] == 1  # two copies would not fit beside the index
     finally:
         st.close()
+
+
+def test_neighbouring_records_share_one_get(env: Env) -> None:
+    """Frames end at values, so the page header and padding between two values can be frames
+    of their own; a read of neighbouring records fetches them inside one GET (a request costs
+    more than a few KiB) without decoding them, and a single record costs about its bytes."""
+    from kvdata.tiers.records import RecordReader
+
+    url = env.publish("http")
+    home = open_home(url)
+    try:
+        e = env.entries[1]
+        reader = RecordReader(home)
+        reader.table(e)
+        before = (reader.requests, reader.bytes_fetched)
+        one = reader.read(e, [2])
+        assert one is not None and reader.requests == before[0] + 1
+        assert reader.bytes_fetched - before[1] < 1.05 * len(one[0])
+        before = (reader.requests, reader.bytes_fetched)
+        got = reader.read(e, [0, 1, 2])
+        assert got is not None and reader.requests == before[0] + 1
+        base = env.shard_samples(1)[0]
+        with kvdata.open(env.src) as local:
+            assert [as_tuple(local._reader.decode_value(v, True)) for v in got] == [env.ref[base + s] for s in (0, 1, 2)]
+    finally:
+        home.close()

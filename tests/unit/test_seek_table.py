@@ -261,3 +261,17 @@ def test_a_file_that_is_not_a_shard_is_framed_without_slots(tmp_path: Path) -> N
     t = frames.decode_seek_table(z[-res.seek_bytes:], zst_bytes=len(z), shard_bytes=1 << 20, records=None, where="x")
     assert t.slot_off is None and t.frames == 8
     assert zstandard.ZstdDecompressor().stream_reader(io.BytesIO(z), read_across_frames=True).read() == p.read_bytes()
+
+
+def test_record_reads_coalesce_wanted_frames_across_small_gaps() -> None:
+    from types import SimpleNamespace
+
+    from kvdata.tiers.records import GAP_BYTES, MAX_RUN, _runs
+
+    # frames: value 0 (150 KB), gap (2 KB), value 1, gap, value 2, a gap too large, value 3
+    sizes = [150_000, 2_000, 150_000, 2_000, 150_000, GAP_BYTES + 1, 150_000]
+    t = SimpleNamespace(c_off=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+    assert _runs([0, 2, 4, 6], t) == [(0, 5), (6, 7)]   # the gaps ride along; the large one does not
+    assert _runs([0, 4], t) == [(0, 1), (4, 5)]         # a wanted frame between is not a gap
+    big = SimpleNamespace(c_off=np.arange(0, 12 * (MAX_RUN // 4), MAX_RUN // 4, dtype=np.int64))
+    assert all(big.c_off[hi] - big.c_off[lo] <= MAX_RUN for lo, hi in _runs(list(range(10)), big))
