@@ -13,8 +13,8 @@ from .errors import KVDataError
 from .reader.open import open_dataset as open
 from .store import Store
 
-__all__ = ["open", "Store", "KVDataError", "Dataset", "ShardShuffleSampler", "collate", "BatchReader",
-           "__version__"]
+__all__ = ["open", "Store", "KVDataError", "Dataset", "ShardShuffleSampler", "collate", "BatchReader", "Loader",
+           "Ragged", "__version__"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -22,6 +22,8 @@ _LAZY = {
     "collate": ("reader.dataset", "collate"),
     "ShardShuffleSampler": ("reader.sampler", "ShardShuffleSampler"),
     "BatchReader": ("reader.batch_reader", "BatchReader"),
+    "Loader": ("reader.loader", "Loader"),
+    "Ragged": ("reader.loader", "Ragged"),
 }
 
 

@@ -1,0 +1,425 @@
+"""kvdata.Loader: batches filled by threads into a ring of buffers allocated once and reused.
+
+Why not a DataLoader: once reading a sample is a memory copy (kvdata's sealed shards are
+mapped, a record is its bytes), what costs is everything around the copy -- a fresh batch
+array per batch (allocated and page-faulted every time: 39 MB for 256 images), worker
+processes handing each batch over through a new shared-memory segment, a per-sample
+collate. Here a few threads copy samples straight from the page cache into batch buffers
+that are allocated once (pinned, if asked) and reused round-robin; numpy releases the GIL
+while it copies, so threads are enough. FFCV's Loader showed the way (pre-allocated pages,
+threads, pinned memory).
+
+Validity: a batch handed out lives in the ring. It stays valid until the loop has asked for
+`prefetch` more batches; then its buffer is refilled. Keep a batch longer with
+`copy=True` (every batch an owned copy) or `.clone()`. With `device=`, the batch is on the
+device and owns its memory; the host buffer is refilled only after its copy finished.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..errors import KVDataError
+from .dataset import Dataset
+
+_END = object()
+
+
+class Ragged(NamedTuple):
+    """A variable-length field of a batch: sample i is values[offsets[i]:offsets[i + 1]]
+    (one flat array along the first axis, not a list of per-sample arrays)."""
+
+    values: Any
+    offsets: Any
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype | None:
+    try:
+        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except (TypeError, ValueError):
+        return None
+
+
+class _Slot:
+    """One batch buffer of the ring: per field an array of batch_size rows, allocated on its
+    first use and kept while the field's sample shape and dtype stay the same."""
+
+    def __init__(self, rows: int, pin: bool, as_torch: bool) -> None:
+        self.rows, self.pin, self.as_torch = rows, pin, as_torch
+        self.arrays: dict[str, np.ndarray] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.event: Any = None       # a CUDA event: the device copy from this buffer has finished
+        self.allocations = 0
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        a = self.arrays.get(name)
+        if a is not None and a.shape[1:] == shape and a.dtype == dtype:
+            return a
+        full = (self.rows, *shape)
+        tdtype = _torch_dtype(dtype) if (self.as_torch or self.pin) else None
+        if tdtype is not None:
+            t = torch.empty(full, dtype=tdtype, pin_memory=self.pin)
+            a = t.numpy()
+            self.tensors[name] = t
+        else:
+            a = np.empty(full, dtype=dtype)
+            self.tensors.pop(name, None)
+        self.arrays[name] = a
+        self.allocations += 1
+        return a
+
+    def out(self, name: str, n: int) -> Any:
+        """The first n rows of a field, as a tensor when the loader hands out tensors."""
+        t = self.tensors.get(name)
+        if self.as_torch and t is not None:
+            return t[:n]
+        a = self.arrays[name][:n]
+        return torch.from_numpy(a) if self.as_torch and _torch_dtype(a.dtype) is not None else a
+
+
+class Loader:
+    """Iterate over batches of a kvdata dataset, filled by `threads` threads into a ring of
+    2 * `prefetch` reused buffers.
+
+    dataset: a kvdata.Dataset, or a path / URL (opened as kvdata.Dataset(path, fields=fields)).
+    sampler: any iterable of sample indices (kvdata.ShardShuffleSampler, a torch sampler,
+      DistributedSampler, a list); None reads 0 .. len-1 in order. Call `set_epoch(e)` to pass
+      the epoch to a sampler that has set_epoch.
+    Batches are dicts of tensors (`to="numpy"`: numpy arrays): array fields of one shape are
+    (N, ...) arrays, numbers (N,), variable-length arrays a Ragged(values, offsets), bytes and
+    str fields lists; a dataset of raw byte records gives lists of bytes.
+    pin_memory: the ring is page-locked (needs an accelerator; without one, a warning and
+      ordinary memory, as DataLoader does). device: each batch is copied there with
+      non_blocking=True on a side stream, and the consumer's stream waits on an event.
+    transform: a function of the whole batch (a dict), run in the filling threads on the CPU
+      or, with `device`, on the device after the copy (e.g. uint8 HWC -> float NCHW, crops).
+    copy: hand out owned copies instead of ring buffers (they stay valid forever).
+    """
+
+    def __init__(self, dataset: Dataset | str | os.PathLike[str], batch_size: int, *,
+                 sampler: Iterable[int] | None = None, threads: int = 2, prefetch: int = 2,
+                 pin_memory: bool = False, device: str | torch.device | None = None,
+                 fields: Sequence[str] | None = None, drop_last: bool = False,
+                 transform: Callable[[Any], Any] | None = None, to: str = "torch", copy: bool = False) -> None:
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if int(threads) < 1 or int(prefetch) < 1:
+            raise ValueError(f"threads and prefetch must be >= 1, got threads={threads}, prefetch={prefetch}")
+        if to not in ("torch", "numpy"):
+            raise ValueError(f"to must be 'torch' or 'numpy', got {to!r}")
+        self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset, fields=fields)
+        self.batch_size, self.threads, self.prefetch = int(batch_size), int(threads), int(prefetch)
+        self.sampler = sampler
+        self.fields = list(fields) if fields is not None else None
+        self.drop_last, self.transform, self.to, self.copy = bool(drop_last), transform, to, bool(copy)
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None:
+            if to != "torch":
+                raise ValueError("device= hands out tensors on that device; it cannot be combined with to='numpy'")
+            if self.device.type == "cuda" and not torch.cuda.is_available():
+                raise KVDataError(f"Loader(device={str(device)!r}): torch.cuda is not available (a CPU-only torch "
+                                  "build, or no GPU visible); leave device unset to get CPU tensors")
+        self.pin_memory = bool(pin_memory)
+        if self.pin_memory and not torch.cuda.is_available():
+            warnings.warn("kvdata.Loader(pin_memory=True): no accelerator is available, so the batch buffers are "
+                          "ordinary memory", stacklevel=2)
+            self.pin_memory = False
+        self.epoch = 0
+        self._consumed = 0          # batches the loop has received this epoch
+        self._start_at = 0          # where the next iteration starts (load_state_dict)
+        self._skip = 0              # ... by skipping that many batches of a sampler without a state of its own
+        self._run: _Run | None = None
+        self._store_lock = threading.Lock()   # the store's reader is used by one thread at a time
+        # the ring outlives iterations: epochs reuse it, numbering batches on from the last one
+        # handed out, so the last `prefetch` batches of an epoch stay valid into the next
+        self._slots = [_Slot(self.batch_size, self.pin_memory, to == "torch") for _ in range(2 * self.prefetch)]
+        self._serial = 0
+
+    @property
+    def allocations(self) -> int:
+        """Buffers the ring has allocated so far (one per slot and field while shapes stay)."""
+        return sum(s.allocations for s in self._slots)
+
+    def __len__(self) -> int:
+        sampler = self.sampler
+        n = len(sampler) if isinstance(sampler, Sized) else len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads (passed on to the sampler's set_epoch)."""
+        self.epoch = int(epoch)
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self.epoch)
+
+    # ------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loop is: the epoch and the batches it has received (not those filled
+        ahead), and the sampler's own state at that point when it has one."""
+        state: dict[str, Any] = {"epoch": self.epoch, "batches": self._consumed, "batch_size": self.batch_size}
+        sd = getattr(self.sampler, "state_dict", None)
+        if sd is not None:
+            try:
+                state["sampler"] = sd(consumed=self._consumed * self.batch_size)
+            except TypeError:
+                state["sampler"] = sd()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next iteration continues where `state` was taken: with a sampler that restores
+        its own position (ShardShuffleSampler) through it, else by skipping the batches read."""
+        if int(state.get("batch_size", self.batch_size)) != self.batch_size:
+            raise ValueError(f"loader state has batch_size={state['batch_size']}, this loader {self.batch_size}; "
+                             "resume with the same batch size")
+        self.epoch = int(state["epoch"])
+        batches = int(state["batches"])
+        load = getattr(self.sampler, "load_state_dict", None)
+        if "sampler" in state and load is not None:
+            load(state["sampler"])
+            self._skip = 0
+        else:
+            set_epoch = getattr(self.sampler, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(self.epoch)
+            self._skip = batches
+        self._start_at = batches
+
+    # ------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        self.close()
+        indices: Iterator[int] = iter(self.sampler) if self.sampler is not None else iter(range(len(self.dataset)))
+        for _ in range(self._skip * self.batch_size):
+            if next(indices, None) is None:
+                break
+        self._consumed, self._start_at, self._skip = self._start_at, 0, 0
+        run = self._run = _Run(self, indices)
+        try:
+            while True:
+                batch = run.next()
+                if batch is _END:
+                    self._consumed = 0  # the epoch is done: a state taken now starts the next one
+                    return
+                self._consumed += 1
+                yield batch
+        finally:
+            run.close()
+            self._serial = run.asked
+            if self._run is run:
+                self._run = None
+
+    def close(self) -> None:
+        """Stop the filling threads of an iteration left unfinished. Idempotent."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _Run:
+    """One pass over the sampler's indices: the filling threads and the ring they share."""
+
+    def __init__(self, loader: Loader, indices: Iterator[int]) -> None:
+        self.loader = loader
+        self.indices = indices
+        self.slots = loader._slots
+        self.size = len(self.slots)
+        self.cond = threading.Condition()
+        # batch numbers run on across iterations (Loader._serial); batch k fills slot k % size
+        self.next_fill = loader._serial               # the next batch number a thread will take
+        self.asked = loader._serial                   # the batch the consumer asks for next
+        self.released = loader._serial - 1 - loader.prefetch  # batches up to this one may be overwritten
+        self.ready: dict[int, Any] = {}
+        self.end: int | None = None  # the number of batches, once the sampler ran out
+        self.stop = False
+        self.failure: BaseException | None = None
+        self.stream = torch.cuda.Stream() if loader.device is not None and loader.device.type == "cuda" else None
+        self.store = loader.dataset.store
+        self.threads = [threading.Thread(target=self._fill_loop, name=f"kvdata-loader-{i}", daemon=True)
+                        for i in range(loader.threads)]
+        for t in self.threads:
+            t.start()
+
+    # -- filling threads
+
+    def _take(self) -> tuple[int, list[int]] | None:
+        """The next batch number and its indices (taken in order under the lock), once its
+        ring slot is free; None when there is nothing more to fill."""
+        lo = self.loader
+        with self.cond:
+            while not self.stop and self.end is None and self.next_fill - self.released > self.size:
+                self.cond.wait()
+            if self.stop or self.end is not None:
+                return None
+            j = self.next_fill
+            idx: list[int] = []
+            for i in self.indices:
+                idx.append(int(i))
+                if len(idx) == lo.batch_size:
+                    break
+            if not idx or (lo.drop_last and len(idx) < lo.batch_size):
+                self.end = j
+                self.cond.notify_all()
+                return None
+            self.next_fill += 1
+            return j, idx
+
+    def _fill_loop(self) -> None:
+        try:
+            while True:
+                got = self._take()
+                if got is None:
+                    return
+                j, idx = got
+                batch = self._fill(self.slots[j % self.size], idx)
+                with self.cond:
+                    self.ready[j] = batch
+                    self.cond.notify_all()
+        except BaseException as e:  # handed to the consumer, never swallowed
+            with self.cond:
+                if self.failure is None:
+                    self.failure = e
+                self.stop = True
+                self.cond.notify_all()
+
+    def _fill(self, slot: _Slot, idx: list[int]) -> Any:
+        lo = self.loader
+        ds = lo.dataset
+        if slot.event is not None:   # the device copy out of this buffer must be done
+            slot.event.synchronize()
+            slot.event = None
+        with lo._store_lock:
+            recs = self.store.get_many(idx)
+        if ds.fields is not None or lo.fields is not None:
+            keep = lo.fields if lo.fields is not None else ds.fields
+            recs = [{f: r[f] for f in keep} if isinstance(r, dict) else r for r in recs]  # type: ignore[union-attr]
+        if ds.transform is not None:
+            recs = [ds.transform(r) for r in recs]
+        n = len(recs)
+        first = recs[0]
+        if not isinstance(first, dict):
+            return [bytes(r) if isinstance(r, memoryview) else r for r in recs]
+        out: dict[str, Any] = {}
+        for name, v in first.items():
+            col = [r[name] for r in recs]
+            if isinstance(v, np.ndarray) and all(isinstance(c, np.ndarray) and c.shape == v.shape
+                                                 and c.dtype == v.dtype for c in col):
+                dst = slot.array(name, v.shape, v.dtype)
+                for i, c in enumerate(col):
+                    dst[i] = c
+                out[name] = slot.out(name, n)
+            elif isinstance(v, (bool, int, float, np.generic)) and not isinstance(v, (bytes, str)):
+                arr = np.asarray(col)
+                if arr.dtype == object or arr.ndim != 1:
+                    out[name] = col
+                    continue
+                dst = slot.array(name, (), arr.dtype)
+                dst[:n] = arr
+                out[name] = slot.out(name, n)
+            elif isinstance(v, np.ndarray):
+                out[name] = self._ragged(col)
+            else:
+                out[name] = [bytes(c) if isinstance(c, memoryview) else c for c in col]
+        if lo.transform is not None and lo.device is None:
+            return lo.transform(out)
+        return out
+
+    def _ragged(self, col: list[Any]) -> Any:
+        """Arrays of one dtype that differ only in their first dimension: one flat array and
+        offsets; anything else: a list of owned copies."""
+        a0 = col[0]
+        if all(isinstance(c, np.ndarray) and c.ndim >= 1 and c.dtype == a0.dtype and c.shape[1:] == a0.shape[1:]
+               for c in col) and a0.ndim >= 1:
+            values = np.concatenate(col)
+            offsets = np.zeros(len(col) + 1, dtype=np.int64)
+            np.cumsum([len(c) for c in col], out=offsets[1:])
+            if self.loader.to == "torch" and _torch_dtype(values.dtype) is not None:
+                return Ragged(torch.from_numpy(values), torch.from_numpy(offsets))
+            return Ragged(values, offsets)
+        return [np.array(c) if isinstance(c, np.ndarray) else c for c in col]
+
+    # -- the consumer
+
+    def next(self) -> Any:
+        """Batch `asked`, once filled; _END after the last one. A filling thread's error is
+        raised here, in the loop."""
+        lo = self.loader
+        j = self.asked
+        with self.cond:
+            # asking for batch j hands back batch j - prefetch: its buffer may be refilled
+            self.released = max(self.released, j - lo.prefetch)
+            self.cond.notify_all()
+            while j not in self.ready and not (self.end is not None and j >= self.end) and not self.stop:
+                self.cond.wait()
+            item = self.ready.pop(j, _END)
+            failure = self.failure
+        if failure is not None:
+            self.close()
+            raise failure
+        if item is _END:
+            return _END
+        self.asked = j + 1
+        if lo.device is not None:
+            return self._to_device(self.slots[j % self.size], item)
+        if lo.copy:
+            return _owned(item)
+        return item
+
+    def _to_device(self, slot: _Slot, batch: Any) -> Any:
+        lo = self.loader
+        dev = lo.device
+        assert dev is not None
+        if self.stream is None:  # a non-CUDA device: a plain copy
+            out = _move(batch, dev, non_blocking=False)
+            return lo.transform(out) if lo.transform is not None else out
+        with torch.cuda.stream(self.stream):
+            out = _move(batch, dev, non_blocking=True)
+            if lo.transform is not None:
+                out = lo.transform(out)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        slot.event = event
+        torch.cuda.current_stream(dev).wait_event(event)
+        return out
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        me = threading.current_thread()
+        for t in self.threads:
+            if t is not me:
+                t.join()
+
+
+def _move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    if isinstance(batch, dict):
+        return {k: _move(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Ragged):
+        return Ragged(_move(batch.values, device, non_blocking), _move(batch.offsets, device, non_blocking))
+    return batch
+
+
+def _owned(batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return {k: _owned(v) for k, v in batch.items()}
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, np.ndarray):
+        return batch.copy()
+    return batch
