@@ -203,7 +203,7 @@ class Dataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Any:
         if self._seen is not None:
             self._observe([index])
-        rec = self.store.get_many([index], copy=self.transform is None)[0]
+        rec = self.store.get_one(index, copy=self.transform is None)
         rec = self._select(rec)
         if self.transform is not None:
             return self.transform(rec)

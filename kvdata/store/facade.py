@@ -191,6 +191,12 @@ class Store:
         self._check_open()
         return self._reader.get_many(indices, copy)
 
+    def get_one(self, index: int, *, copy: bool = False) -> Any:
+        """The record at one sample index (as get_many([index])[0], with per-call work near a
+        memory-map slice: what per-sample code should call)."""
+        self._check_open()
+        return self._reader.get_one(index, copy)
+
     def get_batch(self, indices: Sequence[int] | np.ndarray, *, fields: Sequence[str] | None = None,
                   alloc: Alloc | None = None) -> Any:
         """A batch as arrays: each array field stacked into one (N, ...) array (one copy per
@@ -212,17 +218,17 @@ class Store:
     def get(self, key: str | bytes, default: Any = None, *, copy: bool = False) -> Any:
         """The record stored under `key`, or `default`."""
         p = self.find(key)
-        return default if p is None else self._reader.get_many([p], copy)[0]
+        return default if p is None else self._reader.get_one(p, copy)
 
     def __getitem__(self, item: int | str | bytes) -> Any:
         self._check_open()
         if isinstance(item, (int, np.integer)):
-            return self._reader.get_many([int(item)])[0]
+            return self._reader.get_one(item)
         if isinstance(item, (str, bytes)):
             p = self._reader.find(item)
             if p is None:
                 raise KeyError(item)
-            return self._reader.get_many([p])[0]
+            return self._reader.get_one(p)
         raise TypeError(f"index a Store with an int or a str key, not {type(item).__name__}")
 
     def __iter__(self) -> Iterator[Any]:

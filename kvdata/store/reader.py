@@ -9,6 +9,7 @@ ShardSource's business (read in place when there is none).
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -103,6 +104,50 @@ class Reader:
             bad = idx[(idx < 0) | (idx >= n)][0]
             raise IndexError(f"sample index {int(bad)} out of range for {n} samples in {self.root}")
         return idx
+
+    def get_one(self, index: int, copy: bool = False) -> Any:
+        """One record by sample index: get_many's result for [index], with scalar work only.
+
+        A single `store[i]` is what per-sample code (a Dataset.__getitem__, a notebook) pays
+        on every sample, so a sealed record read in place takes no arrays, no batch planning
+        and no readahead probing (a page fault reads ahead on its own); anything else (the
+        tail, a tier source, offsets not known) takes the batch path."""
+        index_ = self.gen.index
+        n = index_.count
+        i = operator.index(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample index {index} out of range for {n} samples in {self.root}")
+        if self.source is not None or self.max_open is not None:
+            return self.get_many([i], copy)[0]
+        shard, slot, _label = index_.samples[i].item()
+        if shard >= index_.n_sealed:
+            return self.get_many([i], copy)[0]
+        rec = int(index_.base[shard]) + slot
+        if rec >= index_.base[shard + 1]:
+            return self.get_many([i], copy)[0]  # (names the damage)
+        off, size, hk = index_.records[rec].item()
+        head = hk & _HEAD_MASK
+        kind = hk >> _KIND_SHIFT
+        if off + head + size > index_.shard_bytes[shard] or head < fmt.PREFIX_SIZE \
+                or (kind != fmt.KIND_RAW and kind != fmt.KIND_FIELDS):
+            return self.get_many([i], copy)[0]  # unknown offsets, or a damaged row: the checks name it
+        h = self._handles[shard] or self._handle(shard)
+        if kind == fmt.KIND_RAW:
+            a = off + head
+            return h.mm[a:a + size] if copy else h.mv[a:a + size]
+        try:
+            pre = fmt.PREFIX.unpack_from(h.mv, off)
+            if pre[0] != fmt.MAGIC or pre[1] != fmt.KIND_FIELDS or pre[fmt.PREFIX_HEAD] != head \
+                    or fmt.PREFIX_SIZE + pre[fmt.PREFIX_LAYOUT_LEN] > head:
+                raise CorruptDatasetError("the record there does not match the side-index; run `kvdata verify`")
+            a = off + fmt.PREFIX_SIZE
+            lb = h.mm[a:a + pre[fmt.PREFIX_LAYOUT_LEN]]
+            plan = self._plans.get(lb) or self._plan(lb)
+            return fmt.decode_plan(plan, h.u8, h.mv, off + head, copy, off + head + size)
+        except CorruptDatasetError as e:
+            raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
 
     def get_many(self, indices: Sequence[int] | np.ndarray, copy: bool = False) -> list[Any]:
         """Records at sample indices, in the order given (views into the maps unless copy)."""
