@@ -4,7 +4,9 @@
 One dataset of N images 227x227x3 uint8 (labels i % 1000) is written once per format, then a
 torch DataLoader (batch 256, shuffled, num_workers 0 and 2) reads it through:
 
-  kvdata.Dataset + ShardShuffleSampler + kvdata.collate   (the recommended kvdata setup)
+  kvdata.Loader + ShardShuffleSampler                     (threads fill a reused ring; no workers:
+                                                           the workers column is its thread count)
+  kvdata.Dataset + ShardShuffleSampler + kvdata.collate   (the DataLoader setup)
   kvdata.Dataset + shuffle=True + default collate
   in-RAM numpy array (a TensorDataset-like Dataset)
   np.memmap recipe (flat uint8 file + offsets)             (the baseline of every ratio)
@@ -278,12 +280,20 @@ def _kv_shard(ds: Any, nw: int, persistent: bool) -> Loader:
     return dl, sampler.set_epoch
 
 
+def _kv_loader(ds: Any, nw: int, persistent: bool) -> Any:
+    """kvdata.Loader: no worker processes; the workers column is its thread count (0 -> 1)."""
+    sampler = kvdata.ShardShuffleSampler(ds, seed=0)
+    return kvdata.Loader(ds, BATCH, sampler=sampler, threads=max(1, nw)), sampler.set_epoch
+
+
 def _lit(ds: Any, nw: int, persistent: bool) -> Loader:
     return StreamingDataLoader(ds, **_dl_kwargs(nw, persistent)), lambda e: None  # it counts epochs itself
 
 
 def methods(root: Path, want: set[str] | None) -> tuple[list[Method], list[str]]:
-    ms = [Method(KV, "ShardShuffleSampler + kvdata.collate", lambda: kvdata.Dataset(root / "kvdata"), _kv_shard),
+    ms = [Method("kvdata.Loader", "ShardShuffleSampler, threads = max(1, workers), reused ring",
+                 lambda: kvdata.Dataset(root / "kvdata"), _kv_loader),
+          Method(KV, "ShardShuffleSampler + kvdata.collate", lambda: kvdata.Dataset(root / "kvdata"), _kv_shard),
           Method("kvdata Dataset (default collate)", "shuffle=True + default_collate",
                  lambda: kvdata.Dataset(root / "kvdata"), _plain),
           Method("in-RAM numpy array", "shuffle=True + default_collate",
