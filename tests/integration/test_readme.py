@@ -1,0 +1,37 @@
+"""The README's training loops run as written (against a small train.kv in a temp dir)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvdata
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def section_code(title: str) -> list[str]:
+    text = README.read_text()
+    body = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", body, re.S)
+
+
+def test_the_training_loops_of_the_readme_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(0)
+    with kvdata.open(tmp_path / "train.kv", "w", shard_size="8MB") as s:
+        s.put_many((f"img{i:04d}", {"image": rng.integers(0, 256, (227, 227, 3), dtype=np.uint8), "label": i % 1000})
+                   for i in range(300))
+    blocks = section_code("Train with it")
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        scope: dict = {"__name__": "readme"}
+        exec(compile(code, str(README), "exec"), scope)  # noqa: S102 -- the README's own code
+        loader = scope.get("loader")
+        if loader is not None:
+            loader.close()
+    assert os.path.exists(tmp_path / "checkpoint.pt")
