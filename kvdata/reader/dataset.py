@@ -103,6 +103,11 @@ class Dataset(torch.utils.data.Dataset):
                 self._mirror = str(self._store.root)  # workers reuse this verified index mirror
         return self._store
 
+    @property
+    def wants_orders(self) -> bool:
+        """Whether a staging engine listens to announced orders (False: read in place)."""
+        return self.store.source is not None
+
     def announce(self, reader: str, shard_ids: Sequence[int], position: int = 0) -> None:
         """Tell the staging engine the order this reader will visit shards in, so it
         prefetches ahead and evicts what is needed last (no-op when read in place)."""

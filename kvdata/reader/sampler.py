@@ -104,8 +104,8 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         """Announce this epoch's shard sequence; return a callback reporting progress."""
         announce = getattr(self._dataset, "announce", None)
         report = getattr(self._dataset, "progress", None)
-        if announce is None or not len(mine):
-            return None
+        if announce is None or not len(mine) or not getattr(self._dataset, "wants_orders", True):
+            return None  # nothing listens (a dataset read in place): no order bookkeeping
         shards = self._shards[mine]
         seq = order_mod.first_use_order(shards)
         rank_of = np.zeros(int(shards.max()) + 1, dtype=np.int64)

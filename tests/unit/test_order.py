@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from kvdata import order as om
 
-
 # ---------------------------------------------------------------- helpers
 
 def layout(counts: list[int], ids: list[int] | None = None, scramble: int | None = None) -> np.ndarray:
@@ -247,3 +246,29 @@ def test_plans_10m_samples(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print(f"\n[plan 10M samples / 1000 shards] group {t1 - t0:.2f}s, epoch_order {t2 - t1:.2f}s, "
               f"rank_share {t3 - t2:.3f}s")
+
+
+def test_a_sampler_over_a_dataset_nobody_stages_does_no_order_bookkeeping() -> None:
+    from kvdata.reader.sampler import ShardShuffleSampler
+
+    class Listening:
+        wants_orders = True
+
+        def __init__(self) -> None:
+            self.sample_shards = np.repeat(np.arange(10, dtype=np.uint32), 20)
+            self.announced: list = []
+
+        def announce(self, reader: str, seq: list, position: int = 0) -> None:
+            self.announced.append(seq)
+
+        def progress(self, reader: str, position: int) -> None:
+            pass
+
+    class InPlace(Listening):
+        wants_orders = False
+
+    loud, quiet = Listening(), InPlace()
+    a, b = list(ShardShuffleSampler(loud, seed=1)), list(ShardShuffleSampler(quiet, seed=1))
+    assert a == b and sorted(a) == list(range(200))
+    assert len(loud.announced) == 1 and len(loud.announced[0]) == 20  # this epoch's shards, then the next's
+    assert quiet.announced == []
