@@ -18,14 +18,13 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .._util.libc import MADV_POPULATE_WRITE, madvise
 from .._util.sizes import format_size
 from ..store import Store
 from ..tiers.homes import is_url
 from ..tiers.policy import looks_random
 from .open import open_dataset
+from .worker_ring import Batch, WorkerRing, shared_tensor
 
-POPULATE_MIN = 1 << 20  # shared-memory batches at least this large are faulted in with one madvise
 DETECT_SAMPLES = 4096   # samples whose order a process looks at (at most) to tell a shard-grouped order from a random one
 _warned = False         # RandomAccessWarning is given once per process
 
@@ -47,22 +46,11 @@ class SampleBatch(list):
 
     stacked: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+    ring: WorkerRing | None
 
 
 def _in_worker() -> bool:
     return torch.utils.data.get_worker_info() is not None
-
-
-def _shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
-    """An empty tensor in torch shared memory, its pages populated up front: one madvise
-    (MADV_POPULATE_WRITE, Linux 5.14+) instead of a page fault every 4 KiB."""
-    tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
-    out = torch.empty(0, dtype=tdtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # (stubs lack it)
-    if nbytes >= POPULATE_MIN:
-        madvise(out.data_ptr(), nbytes, MADV_POPULATE_WRITE)
-    return out
 
 
 class Dataset(torch.utils.data.Dataset):
@@ -129,6 +117,7 @@ class Dataset(torch.utils.data.Dataset):
         state["_store"] = None
         state["_pid"] = -1
         state["_seen"] = []  # every process looks at its own reads
+        state.pop("_ring", None)
         return state
 
     # -- telling the user (docs/RECIPES.md)
@@ -221,19 +210,32 @@ class Dataset(torch.utils.data.Dataset):
         if self.transform is not None:
             return [self.transform(self._select(r)) for r in store.get_many(indices)]
         tensors: dict[int, torch.Tensor] = {}
+        ring = self._worker_ring() if _in_worker() else None
+        alloc = None
+        if ring is not None:  # a DataLoader worker: fill the next free buffer of this worker's ring
+            ring.begin()
+            fields_seen = [0]
 
-        def shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-            t = _shared_tensor(shape, dtype)
-            a = t.numpy()
-            tensors[id(a)] = t
-            return a
+            def alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+                a, t = ring.alloc(shape, dtype, str(fields_seen[0]))
+                fields_seen[0] += 1
+                tensors[id(a)] = t
+                return a
 
-        batch = store.get_batch(indices, fields=self.fields, alloc=shared if _in_worker() else None)
+        batch = store.get_batch(indices, fields=self.fields, alloc=alloc)
         if isinstance(batch, list):  # byte records
             return batch
         out = _rows(batch, len(indices))
         out.tensors = {k: tensors[id(v)] for k, v in batch.items() if id(v) in tensors}
+        out.ring = ring
         return out
+
+    def _worker_ring(self) -> WorkerRing:
+        """This worker's ring of batch buffers (made in the worker; a fork gets its own)."""
+        ring = self.__dict__.get("_ring")
+        if ring is None or ring[0] != os.getpid():
+            ring = self._ring = (os.getpid(), WorkerRing())
+        return ring[1]
 
 
 def _warn(msg: str) -> None:
@@ -248,6 +250,7 @@ def _rows(batch: dict[str, Any], n: int) -> SampleBatch:
     out = SampleBatch({name: col[i] for name, col in batch.items()} for i in range(n))
     out.stacked = batch
     out.tensors = {}
+    out.ring = None
     return out
 
 
@@ -264,7 +267,12 @@ def collate(samples: Sequence[Any]) -> Any:
     stacked = getattr(samples, "stacked", None)
     if stacked is not None:
         tensors = getattr(samples, "tensors", {})
-        return {k: tensors[k] if k in tensors else _to_torch(v) for k, v in stacked.items()}
+        ring = getattr(samples, "ring", None)
+        if ring is None or not tensors:
+            return {k: tensors[k] if k in tensors else _to_torch(v) for k, v in stacked.items()}
+        lent = Batch({k: tensors[k] if k in tensors else _to_torch(v) for k, v in stacked.items()})
+        lent.lease = ring.lease()  # the buffers go to the main process: lent until it lets go
+        return lent
     if not samples:
         return samples
     first = samples[0]
@@ -292,7 +300,7 @@ def _stack_numpy(arrays: list[np.ndarray]) -> Any:
         return [torch.from_numpy(np.array(a)) for a in arrays]
     shape = (len(arrays),) + a0.shape
     if _in_worker():
-        t = _shared_tensor(shape, a0.dtype)
+        t = shared_tensor(shape, a0.dtype)
         out = t.numpy()
     else:
         out = np.empty(shape, dtype=a0.dtype)

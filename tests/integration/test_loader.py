@@ -188,3 +188,43 @@ def test_batch_reader_epochs_striding_and_transforms(dataset_path: Path) -> None
     with kvdata.BatchReader(str(dataset_path), batch_size=10, transform=lambda x, y: (x.sum(), y)) as r:
         total, y = next(r)
         assert int(total) == int(sum(image(i).astype(np.int64).sum() for i in range(10)))
+
+
+def _collate_with_ring_stats(samples: list) -> dict:
+    """kvdata.collate, plus how many buffers this worker's ring has allocated so far."""
+    out = kvdata.collate(samples)
+    ring = getattr(samples, "ring", None)
+    out["ring_allocations"] = torch.tensor(ring.allocations if ring is not None else -1)
+    return out
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_reuse_their_batch_buffers_once_the_loop_lets_go(dataset_path: Path, context: str) -> None:
+    ds = kvdata.Dataset(dataset_path)
+    loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, multiprocessing_context=context,
+                        collate_fn=_collate_with_ring_stats, persistent_workers=True)
+    allocs = []
+    for _epoch in range(3):
+        seen: list[int] = []
+        for b in loader:  # each batch dropped before the next: its buffer goes back to its worker
+            seen += check_batch(b)
+            allocs.append(int(b["ring_allocations"]))
+        assert sorted(seen) == list(range(N))
+    batches = 3 * -(-N // 8)
+    assert max(allocs) <= 6, allocs  # a few buffers per worker, not one per batch (~57 per worker here)
+    assert batches > 10 * max(allocs)
+
+
+def test_batches_the_loop_keeps_are_never_overwritten(dataset_path: Path) -> None:
+    ds = kvdata.Dataset(dataset_path)
+    loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, collate_fn=kvdata.collate)
+    kept = list(loader)  # every batch held: no worker may reuse any of their buffers
+    views = [b["image"][0] for b in loader]  # only a view of each batch kept
+    seen: list[int] = []
+    for b in kept:
+        seen += check_batch(b)
+    assert sorted(seen) == list(range(N))
+    assert len({bytes(v.numpy().tobytes()) for v in views}) == len(views)
+    for v in views:  # each view still shows the image it had
+        i = int(np.asarray(v)[0, 0, 0])  # image(i)[0, 0, 0] == i % 256
+        assert any(np.array_equal(np.asarray(v), image(j)) for j in range(i % 256, N, 256))
