@@ -28,8 +28,7 @@ import torch
 
 from ..errors import KVDataError
 from .dataset import Dataset
-
-_END = object()
+from .ring import END, Ring, RingRun, Slot
 
 
 class Ragged(NamedTuple):
@@ -47,41 +46,18 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype | None:
         return None
 
 
-class _Slot:
-    """One batch buffer of the ring: per field an array of batch_size rows, allocated on its
-    first use and kept while the field's sample shape and dtype stay the same."""
+def _tensor_alloc(pin: bool, as_torch: bool) -> Any:
+    """The ring's allocator: torch tensors (pinned if asked) where torch has the dtype."""
 
-    def __init__(self, rows: int, pin: bool, as_torch: bool) -> None:
-        self.rows, self.pin, self.as_torch = rows, pin, as_torch
-        self.arrays: dict[str, np.ndarray] = {}
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.event: Any = None       # a CUDA event: the device copy from this buffer has finished
-        self.allocations = 0
+    def alloc(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, Any]:
+        tdtype = _torch_dtype(dtype) if (as_torch or pin) else None
+        if tdtype is None:
+            a = np.empty(shape, dtype=dtype)
+            return a, (torch.from_numpy(a) if as_torch and _torch_dtype(dtype) is not None else a)
+        t = torch.empty(shape, dtype=tdtype, pin_memory=pin)
+        return t.numpy(), (t if as_torch else t.numpy())
 
-    def array(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        a = self.arrays.get(name)
-        if a is not None and a.shape[1:] == shape and a.dtype == dtype:
-            return a
-        full = (self.rows, *shape)
-        tdtype = _torch_dtype(dtype) if (self.as_torch or self.pin) else None
-        if tdtype is not None:
-            t = torch.empty(full, dtype=tdtype, pin_memory=self.pin)
-            a = t.numpy()
-            self.tensors[name] = t
-        else:
-            a = np.empty(full, dtype=dtype)
-            self.tensors.pop(name, None)
-        self.arrays[name] = a
-        self.allocations += 1
-        return a
-
-    def out(self, name: str, n: int) -> Any:
-        """The first n rows of a field, as a tensor when the loader hands out tensors."""
-        t = self.tensors.get(name)
-        if self.as_torch and t is not None:
-            return t[:n]
-        a = self.arrays[name][:n]
-        return torch.from_numpy(a) if self.as_torch and _torch_dtype(a.dtype) is not None else a
+    return alloc
 
 
 class Loader:
@@ -135,17 +111,17 @@ class Loader:
         self._consumed = 0          # batches the loop has received this epoch
         self._start_at = 0          # where the next iteration starts (load_state_dict)
         self._skip = 0              # ... by skipping that many batches of a sampler without a state of its own
-        self._run: _Run | None = None
+        self._run: RingRun | None = None
         self._store_lock = threading.Lock()   # the store's reader is used by one thread at a time
         # the ring outlives iterations: epochs reuse it, numbering batches on from the last one
         # handed out, so the last `prefetch` batches of an epoch stay valid into the next
-        self._slots = [_Slot(self.batch_size, self.pin_memory, to == "torch") for _ in range(2 * self.prefetch)]
-        self._serial = 0
+        self._ring = Ring(self.batch_size, self.prefetch, _tensor_alloc(self.pin_memory, to == "torch"))
+        self._stream = torch.cuda.Stream() if self.device is not None and self.device.type == "cuda" else None
 
     @property
     def allocations(self) -> int:
         """Buffers the ring has allocated so far (one per slot and field while shapes stay)."""
-        return sum(s.allocations for s in self._slots)
+        return self._ring.allocations
 
     def __len__(self) -> int:
         sampler = self.sampler
@@ -201,111 +177,38 @@ class Loader:
             if next(indices, None) is None:
                 break
         self._consumed, self._start_at, self._skip = self._start_at, 0, 0
-        run = self._run = _Run(self, indices)
+        store = self.dataset.store
+        run = self._run = self._ring.run(indices, lambda slot, _j, idx: self._fill(store, slot, idx),
+                                         self.threads, self.drop_last, "kvdata-loader")
         try:
             while True:
-                batch = run.next()
-                if batch is _END:
+                j, batch = run.next()
+                if batch is END:
                     self._consumed = 0  # the epoch is done: a state taken now starts the next one
                     return
                 self._consumed += 1
+                if self.device is not None:
+                    batch = self._to_device(self._ring.slots[j % len(self._ring.slots)], batch)
+                elif self.copy:
+                    batch = _owned(batch)
                 yield batch
         finally:
             run.close()
-            self._serial = run.asked
             if self._run is run:
                 self._run = None
 
-    def close(self) -> None:
-        """Stop the filling threads of an iteration left unfinished. Idempotent."""
-        run, self._run = self._run, None
-        if run is not None:
-            run.close()
+    # ------------------------------------------------------------ filling (in the ring's threads)
 
-    def __enter__(self) -> Loader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class _Run:
-    """One pass over the sampler's indices: the filling threads and the ring they share."""
-
-    def __init__(self, loader: Loader, indices: Iterator[int]) -> None:
-        self.loader = loader
-        self.indices = indices
-        self.slots = loader._slots
-        self.size = len(self.slots)
-        self.cond = threading.Condition()
-        # batch numbers run on across iterations (Loader._serial); batch k fills slot k % size
-        self.next_fill = loader._serial               # the next batch number a thread will take
-        self.asked = loader._serial                   # the batch the consumer asks for next
-        self.released = loader._serial - 1 - loader.prefetch  # batches up to this one may be overwritten
-        self.ready: dict[int, Any] = {}
-        self.end: int | None = None  # the number of batches, once the sampler ran out
-        self.stop = False
-        self.failure: BaseException | None = None
-        self.stream = torch.cuda.Stream() if loader.device is not None and loader.device.type == "cuda" else None
-        self.store = loader.dataset.store
-        self.threads = [threading.Thread(target=self._fill_loop, name=f"kvdata-loader-{i}", daemon=True)
-                        for i in range(loader.threads)]
-        for t in self.threads:
-            t.start()
-
-    # -- filling threads
-
-    def _take(self) -> tuple[int, list[int]] | None:
-        """The next batch number and its indices (taken in order under the lock), once its
-        ring slot is free; None when there is nothing more to fill."""
-        lo = self.loader
-        with self.cond:
-            while not self.stop and self.end is None and self.next_fill - self.released > self.size:
-                self.cond.wait()
-            if self.stop or self.end is not None:
-                return None
-            j = self.next_fill
-            idx: list[int] = []
-            for i in self.indices:
-                idx.append(int(i))
-                if len(idx) == lo.batch_size:
-                    break
-            if not idx or (lo.drop_last and len(idx) < lo.batch_size):
-                self.end = j
-                self.cond.notify_all()
-                return None
-            self.next_fill += 1
-            return j, idx
-
-    def _fill_loop(self) -> None:
-        try:
-            while True:
-                got = self._take()
-                if got is None:
-                    return
-                j, idx = got
-                batch = self._fill(self.slots[j % self.size], idx)
-                with self.cond:
-                    self.ready[j] = batch
-                    self.cond.notify_all()
-        except BaseException as e:  # handed to the consumer, never swallowed
-            with self.cond:
-                if self.failure is None:
-                    self.failure = e
-                self.stop = True
-                self.cond.notify_all()
-
-    def _fill(self, slot: _Slot, idx: list[int]) -> Any:
-        lo = self.loader
-        ds = lo.dataset
+    def _fill(self, store: Any, slot: Slot, idx: list[int]) -> Any:
+        ds = self.dataset
         if slot.event is not None:   # the device copy out of this buffer must be done
             slot.event.synchronize()
             slot.event = None
-        with lo._store_lock:
-            recs = self.store.get_many(idx)
-        if ds.fields is not None or lo.fields is not None:
-            keep = lo.fields if lo.fields is not None else ds.fields
-            recs = [{f: r[f] for f in keep} if isinstance(r, dict) else r for r in recs]  # type: ignore[union-attr]
+        with self._store_lock:
+            recs = store.get_many(idx)
+        keep = self.fields if self.fields is not None else ds.fields
+        if keep is not None:
+            recs = [{f: r[f] for f in keep} if isinstance(r, dict) else r for r in recs]
         if ds.transform is not None:
             recs = [ds.transform(r) for r in recs]
         n = len(recs)
@@ -320,7 +223,7 @@ class _Run:
                 dst = slot.array(name, v.shape, v.dtype)
                 for i, c in enumerate(col):
                     dst[i] = c
-                out[name] = slot.out(name, n)
+                out[name] = slot.handle(name, n)
             elif isinstance(v, (bool, int, float, np.generic)) and not isinstance(v, (bytes, str)):
                 arr = np.asarray(col)
                 if arr.dtype == object or arr.ndim != 1:
@@ -328,81 +231,58 @@ class _Run:
                     continue
                 dst = slot.array(name, (), arr.dtype)
                 dst[:n] = arr
-                out[name] = slot.out(name, n)
+                out[name] = slot.handle(name, n)
             elif isinstance(v, np.ndarray):
                 out[name] = self._ragged(col)
             else:
                 out[name] = [bytes(c) if isinstance(c, memoryview) else c for c in col]
-        if lo.transform is not None and lo.device is None:
-            return lo.transform(out)
+        if self.transform is not None and self.device is None:
+            return self.transform(out)
         return out
 
     def _ragged(self, col: list[Any]) -> Any:
         """Arrays of one dtype that differ only in their first dimension: one flat array and
         offsets; anything else: a list of owned copies."""
         a0 = col[0]
-        if all(isinstance(c, np.ndarray) and c.ndim >= 1 and c.dtype == a0.dtype and c.shape[1:] == a0.shape[1:]
-               for c in col) and a0.ndim >= 1:
+        if a0.ndim >= 1 and all(isinstance(c, np.ndarray) and c.ndim >= 1 and c.dtype == a0.dtype
+                                and c.shape[1:] == a0.shape[1:] for c in col):
             values = np.concatenate(col)
             offsets = np.zeros(len(col) + 1, dtype=np.int64)
             np.cumsum([len(c) for c in col], out=offsets[1:])
-            if self.loader.to == "torch" and _torch_dtype(values.dtype) is not None:
+            if self.to == "torch" and _torch_dtype(values.dtype) is not None:
                 return Ragged(torch.from_numpy(values), torch.from_numpy(offsets))
             return Ragged(values, offsets)
         return [np.array(c) if isinstance(c, np.ndarray) else c for c in col]
 
-    # -- the consumer
+    # ------------------------------------------------------------ the device
 
-    def next(self) -> Any:
-        """Batch `asked`, once filled; _END after the last one. A filling thread's error is
-        raised here, in the loop."""
-        lo = self.loader
-        j = self.asked
-        with self.cond:
-            # asking for batch j hands back batch j - prefetch: its buffer may be refilled
-            self.released = max(self.released, j - lo.prefetch)
-            self.cond.notify_all()
-            while j not in self.ready and not (self.end is not None and j >= self.end) and not self.stop:
-                self.cond.wait()
-            item = self.ready.pop(j, _END)
-            failure = self.failure
-        if failure is not None:
-            self.close()
-            raise failure
-        if item is _END:
-            return _END
-        self.asked = j + 1
-        if lo.device is not None:
-            return self._to_device(self.slots[j % self.size], item)
-        if lo.copy:
-            return _owned(item)
-        return item
-
-    def _to_device(self, slot: _Slot, batch: Any) -> Any:
-        lo = self.loader
-        dev = lo.device
+    def _to_device(self, slot: Slot, batch: Any) -> Any:
+        dev = self.device
         assert dev is not None
-        if self.stream is None:  # a non-CUDA device: a plain copy
+        if self._stream is None:  # a non-CUDA device: a plain copy
             out = _move(batch, dev, non_blocking=False)
-            return lo.transform(out) if lo.transform is not None else out
-        with torch.cuda.stream(self.stream):
+            return self.transform(out) if self.transform is not None else out
+        with torch.cuda.stream(self._stream):
             out = _move(batch, dev, non_blocking=True)
-            if lo.transform is not None:
-                out = lo.transform(out)
+            if self.transform is not None:
+                out = self.transform(out)
             event = torch.cuda.Event()
-            event.record(self.stream)
-        slot.event = event
+            event.record(self._stream)
+        slot.event = event  # the ring waits for it before refilling this buffer
         torch.cuda.current_stream(dev).wait_event(event)
         return out
 
     def close(self) -> None:
-        with self.cond:
-            self.stop = True
-            self.cond.notify_all()
-        me = threading.current_thread()
-        for t in self.threads:
-            if t is not me:
-                t.join()
+        """Stop the filling threads of an iteration left unfinished. Idempotent."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _move(batch: Any, device: torch.device, non_blocking: bool) -> Any:

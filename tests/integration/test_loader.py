@@ -228,3 +228,27 @@ def test_batches_the_loop_keeps_are_never_overwritten(dataset_path: Path) -> Non
     for v in views:  # each view still shows the image it had
         i = int(np.asarray(v)[0, 0, 0])  # image(i)[0, 0, 0] == i % 256
         assert any(np.array_equal(np.asarray(v), image(j)) for j in range(i % 256, N, 256))
+
+
+def test_batch_reader_is_deterministic_across_threads_and_can_reuse_buffers(dataset_path: Path) -> None:
+    def first_batches(**kw: object) -> list[tuple[np.ndarray, np.ndarray]]:
+        with kvdata.BatchReader(str(dataset_path), batch_size=40, crop_size=8, mirror=True, seed=3,
+                                shuffle_shards=True, **kw) as r:
+            return [(x.copy(), y.copy()) for x, y in (next(r) for _ in range(12))]
+
+    one, two = first_batches(copy_threads=1), first_batches(copy_threads=2)
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(one, two))
+    with kvdata.BatchReader(str(dataset_path), batch_size=40, prefetch=2, reuse_buffers=True) as r:
+        held = []
+        for _ in range(10):
+            x, y = next(r)
+            held.append((x, y.copy()))
+            for hx, hy in held[-2:]:  # the last `prefetch` batches are intact
+                for row, i in zip(hx, hy):
+                    np.testing.assert_array_equal(row, image(int(i)).transpose(2, 0, 1))
+        assert len({id(x) for x, _ in held}) <= 10 and len({x.ctypes.data for x, _ in held}) <= 4
+    with kvdata.BatchReader(str(dataset_path), batch_size=40) as r:  # the default: every batch kept valid
+        kept = [next(r) for _ in range(10)]
+    for x, y in kept:
+        for row, i in zip(x, y):
+            np.testing.assert_array_equal(row, image(int(i)).transpose(2, 0, 1))
