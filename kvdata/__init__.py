@@ -23,7 +23,7 @@ _LAZY = {
     "ShardShuffleSampler": ("reader.sampler", "ShardShuffleSampler"),
     "BatchReader": ("reader.batch_reader", "BatchReader"),
     "Loader": ("reader.loader", "Loader"),
-    "Ragged": ("reader.loader", "Ragged"),
+    "Ragged": ("store.stacking", "Ragged"),
 }
 
 

@@ -20,6 +20,7 @@ import torch.utils.data
 
 from .._util.sizes import format_size
 from ..store import Store
+from ..store.stacking import Ragged, ragged
 from ..tiers.homes import is_url
 from ..tiers.policy import looks_random
 from .open import open_dataset
@@ -246,8 +247,11 @@ def _warn(msg: str) -> None:
 
 
 def _rows(batch: dict[str, Any], n: int) -> SampleBatch:
-    """Sample i = row i of every column (array rows are writable views into the batch)."""
-    out = SampleBatch({name: col[i] for name, col in batch.items()} for i in range(n))
+    """Sample i = row i of every column (array rows are writable views into the batch; a
+    variable-length column's row is its slice of the flat values)."""
+    cols = {name: [col.values[a:b] for a, b in zip(col.offsets[:-1].tolist(), col.offsets[1:].tolist())]
+            if isinstance(col, Ragged) else col for name, col in batch.items()}
+    out = SampleBatch({name: col[i] for name, col in cols.items()} for i in range(n))
     out.stacked = batch
     out.tensors = {}
     out.ring = None
@@ -289,6 +293,8 @@ def collate(samples: Sequence[Any]) -> Any:
 
 
 def _to_torch(v: Any) -> Any:
+    if isinstance(v, Ragged):
+        return Ragged(_to_torch(v.values), torch.from_numpy(v.offsets))
     if isinstance(v, np.ndarray):
         return torch.from_numpy(v) if v.flags.writeable else torch.from_numpy(v.copy())
     return v
@@ -297,7 +303,8 @@ def _to_torch(v: Any) -> Any:
 def _stack_numpy(arrays: list[np.ndarray]) -> Any:
     a0 = arrays[0]
     if any(a.shape != a0.shape or a.dtype != a0.dtype for a in arrays):
-        return [torch.from_numpy(np.array(a)) for a in arrays]
+        flat = ragged(arrays)
+        return _to_torch(flat) if isinstance(flat, Ragged) else [torch.from_numpy(a) for a in flat]
     shape = (len(arrays),) + a0.shape
     if _in_worker():
         t = shared_tensor(shape, a0.dtype)

@@ -21,22 +21,15 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import KVDataError
+from ..store.stacking import Ragged, ragged
 from .dataset import Dataset
 from .ring import END, Ring, RingRun, Slot
-
-
-class Ragged(NamedTuple):
-    """A variable-length field of a batch: sample i is values[offsets[i]:offsets[i + 1]]
-    (one flat array along the first axis, not a list of per-sample arrays)."""
-
-    values: Any
-    offsets: Any
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype | None:
@@ -241,18 +234,11 @@ class Loader:
         return out
 
     def _ragged(self, col: list[Any]) -> Any:
-        """Arrays of one dtype that differ only in their first dimension: one flat array and
-        offsets; anything else: a list of owned copies."""
-        a0 = col[0]
-        if a0.ndim >= 1 and all(isinstance(c, np.ndarray) and c.ndim >= 1 and c.dtype == a0.dtype
-                                and c.shape[1:] == a0.shape[1:] for c in col):
-            values = np.concatenate(col)
-            offsets = np.zeros(len(col) + 1, dtype=np.int64)
-            np.cumsum([len(c) for c in col], out=offsets[1:])
-            if self.to == "torch" and _torch_dtype(values.dtype) is not None:
-                return Ragged(torch.from_numpy(values), torch.from_numpy(offsets))
-            return Ragged(values, offsets)
-        return [np.array(c) if isinstance(c, np.ndarray) else c for c in col]
+        """Variable-length arrays: one flat array plus offsets (stacking.ragged), as tensors."""
+        got = ragged(col)
+        if isinstance(got, Ragged) and self.to == "torch" and _torch_dtype(got.values.dtype) is not None:
+            return Ragged(torch.from_numpy(got.values), torch.from_numpy(got.offsets))
+        return got
 
     # ------------------------------------------------------------ the device
 

@@ -201,8 +201,9 @@ class Store:
                   alloc: Alloc | None = None) -> Any:
         """A batch as arrays: each array field stacked into one (N, ...) array (one copy per
         sample, large batches split across copy threads; `alloc(shape, dtype)` may provide
-        the arrays, e.g. in shared memory), scalars as 1-D arrays, ragged fields and bytes
-        as lists. Byte records come back as a list of bytes. `fields` keeps only those."""
+        the arrays, e.g. in shared memory), variable-length arrays as one flat array plus
+        offsets (kvdata.Ragged), scalars as 1-D arrays, other arrays (owned copies), bytes and
+        str as lists. Byte records come back as a list of bytes. `fields` keeps only those."""
         self._check_open()
         return self._reader.get_batch(indices, fields, alloc)
 

@@ -1,7 +1,9 @@
 """Stacking samples into batches: one copy per sample, straight into the batch array.
 
 Array fields of equal shape go into one (N, ...) array copied once from each sample's
-zero-copy view; scalars become a 1-D array; ragged fields, bytes and str stay lists.
+zero-copy view; variable-length arrays (equal but for the first dimension) into one flat
+array plus offsets (Ragged); scalars become a 1-D array; other arrays (owned copies), bytes
+and str stay lists.
 """
 
 from __future__ import annotations
@@ -9,11 +11,35 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 Alloc = Callable[[tuple, np.dtype], np.ndarray]
+
+
+class Ragged(NamedTuple):
+    """A variable-length field of a batch: sample i is values[offsets[i]:offsets[i + 1]] --
+    one flat array along the first axis (numpy, or torch tensors from the torch side), not a
+    list of per-sample arrays."""
+
+    values: Any
+    offsets: Any
+
+
+def ragged(arrays: Sequence[np.ndarray], alloc: Alloc | None = None) -> Any:
+    """Arrays of one dtype that differ only in their first dimension as Ragged (values from
+    `alloc` if given); anything else as a list of owned, writable copies."""
+    a0 = arrays[0]
+    if a0.ndim >= 1 and all(a.ndim == a0.ndim and a.dtype == a0.dtype and a.shape[1:] == a0.shape[1:]
+                            for a in arrays):
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        values = (alloc or np.empty)((int(offsets[-1]), *a0.shape[1:]), a0.dtype)
+        for a, lo, hi in zip(arrays, offsets[:-1].tolist(), offsets[1:].tolist()):
+            values[lo:hi] = a
+        return Ragged(values, offsets)
+    return [np.array(a) for a in arrays]
 
 
 class Copier:
@@ -41,11 +67,12 @@ class Copier:
 
     def stack_arrays(self, arrays: Sequence[np.ndarray], out: np.ndarray | None = None,
                      alloc: Alloc | None = None) -> Any:
-        """(N, ...) array of same-shape arrays (into `out`, or from `alloc`); a list if ragged."""
+        """(N, ...) array of same-shape arrays (into `out`, or from `alloc`); Ragged (or a list
+        of copies) if their shapes differ (see `ragged`)."""
         a0 = arrays[0]
         n = len(arrays)
         if any(a.shape != a0.shape or a.dtype != a0.dtype for a in arrays):
-            return list(arrays)
+            return ragged(arrays, alloc)
         if out is None:
             out = (alloc or np.empty)((n,) + a0.shape, a0.dtype)
         if self.threads == 1 or a0.nbytes * n < self.min_bytes:

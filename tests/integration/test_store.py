@@ -245,7 +245,29 @@ def test_get_batch_stacks_fields(tmp_path: Path) -> None:
     assert b["image"].shape == (3, 40, 40, 3) and b["image"].flags.writeable
     assert b["label"].tolist() == [4, 2, 2] and b["name"] == ["n4", "n2", "n9"]
     np.testing.assert_array_equal(b["image"][1], img(2))
-    assert isinstance(s.get_batch([0, 30])["image"], list)  # ragged shapes stay a list
+    assert isinstance(s.get_batch([0, 30])["image"], list)  # shapes that differ beyond the first axis: a list
+    s.close()
+
+
+def test_variable_length_fields_batch_into_one_flat_array_and_offsets(tmp_path: Path) -> None:
+    p = tmp_path / "ds.kv"
+    toks = [np.arange(i % 4, dtype=np.int32) * (i + 1) for i in range(10)]
+    with kvdata.open(p, "w") as s:
+        s.put_many((f"k{i}", {"tok": t, "box": np.ones((i % 3, 4), np.float32) * i}) for i, t in enumerate(toks))
+    with kvdata.open(p) as s:
+        b = s.get_batch([3, 1, 6, 0])
+        tok = b["tok"]
+        assert isinstance(tok, kvdata.Ragged) and tok.offsets.tolist() == [0, 3, 4, 6, 6]
+        assert tok.values.dtype == np.int32 and tok.values.flags.writeable
+        for k, i in enumerate([3, 1, 6, 0]):
+            np.testing.assert_array_equal(tok.values[tok.offsets[k]:tok.offsets[k + 1]], toks[i])
+        box = b["box"]
+        assert isinstance(box, kvdata.Ragged) and box.values.shape == (0 + 1 + 0 + 0, 4)  # i % 3 rows of sample i
+        import torch
+
+        t = kvdata.collate(kvdata.Dataset(p).__getitems__([3, 1, 6, 0]))["tok"]
+        assert isinstance(t, kvdata.Ragged) and isinstance(t.values, torch.Tensor)
+        assert t.values.tolist() == tok.values.tolist() and t.offsets.tolist() == tok.offsets.tolist()
 
 
 def _child_read(path: str, q: "mp.Queue") -> None:
