@@ -251,3 +251,27 @@ def test_batch_reader_is_deterministic_across_threads_and_can_reuse_buffers(data
     for x, y in kept:
         for row, i in zip(x, y):
             np.testing.assert_array_equal(row, image(int(i)).transpose(2, 0, 1))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_leave_no_shared_memory_segments_or_threads(dataset_path: Path, context: str) -> None:
+    import gc
+    import os
+
+    def shm() -> set[str]:
+        return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+    before, threads = shm(), set(threading.enumerate())
+    ds = kvdata.Dataset(dataset_path)
+    for collate in (kvdata.collate, None):
+        loader = DataLoader(ds, batch_size=16, sampler=kvdata.ShardShuffleSampler(ds), num_workers=2,
+                            multiprocessing_context=context, collate_fn=collate)
+        kept = []
+        for k, b in enumerate(loader):
+            check_batch(b)
+            if k % 5 == 0:
+                kept.append(b)
+        del loader, kept, b
+    gc.collect()
+    assert shm() - before == set()
+    assert not set(threading.enumerate()) - threads
