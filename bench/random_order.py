@@ -68,6 +68,7 @@ NETLAB_IP = "10.200.0.2"
 VETH = "nlab0"                           # the root-namespace end of the netlab veth pair
 DELAYED = f"http://{NETLAB_IP}:15000"    # S3 with RTT + rate limit
 DIRECT = f"http://{NETLAB_IP}:8081"      # S3 with rate limit only (used to prepare the home)
+NGINX_URL = f"http://{NETLAB_IP}:18080"  # nginx static files with RTT + rate limit (--home http)
 BUCKET = "kvrandom"
 
 
@@ -267,6 +268,48 @@ class GetDataset:
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         self._setup()
         return [{"image": a} for a in self.pool.map(self._get, [int(i) for i in indices])]
+
+
+class HttpGetDataset:
+    """(c) over HTTP: one file per sample under `url`; __getitems__ fetches a batch with
+    `threads` GETs in flight (urllib3, one keep-alive pool per worker)."""
+
+    def __init__(self, url: str, n: int, threads: int) -> None:
+        self.url, self.n, self.threads = url.rstrip("/"), n, threads
+        self._pid = -1
+
+    def _setup(self) -> None:
+        if self._pid == os.getpid():
+            return
+        import urllib3
+        self.http = urllib3.PoolManager(maxsize=max(10, self.threads), retries=False)
+        self.pool = ThreadPoolExecutor(self.threads)
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("http", "pool", "_pid")} | {"_pid": -1}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _get(self, i: int) -> np.ndarray:
+        r = self.http.request("GET", f"{self.url}/{sample_name(i)}")
+        if r.status != 200:
+            raise RuntimeError(f"GET {self.url}/{sample_name(i)}: HTTP {r.status}")
+        return np.frombuffer(r.data, np.uint8).reshape(SHAPE)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        self._setup()
+        return {"image": self._get(int(i))}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        self._setup()
+        return [{"image": a} for a in self.pool.map(self._get, [int(i) for i in indices])]
+
+
+def www_dir() -> Path:
+    """nginx's document root in the netlab (served at NGINX_URL)."""
+    return Path(os.environ.get("NETLAB_DIR") or Path(os.environ.get("TMPDIR") or "/tmp") / "netlab") / "www"
 
 
 # ====================================================================== the epochs
@@ -526,7 +569,10 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
             rows.append([lbl, e["epoch"], f"{e['samples_per_s']:,.0f}", f"{e['samples_per_s'] / link_sps:.0%}",
                          f"{home:.2f}", payload, gets, tier, vs_c])
     text = [f"### random order over a network home ({machine_line(res['machine'])})", "",
-            f"netlab S3 server (moto behind nginx, {DELAYED}), rate {a.rate}, RTT {a.rtt_ms:g} ms; {n} samples of "
+            (f"netlab S3 server (moto behind nginx, {DELAYED})" if getattr(a, "home", "s3") == "s3" else
+             f"netlab nginx static files ({NGINX_URL}; the dataset pushed into its root, (c)'s samples one file "
+             "each beside it; no GET count: its access log is off)")
+            + f", rate {a.rate}, RTT {a.rtt_ms:g} ms; {n} samples of "
             f"{'x'.join(map(str, SHAPE))} uint8 ({IMG / 1024:,.1f} KiB, {a.content}), {ds_bytes / MB:,.1f} MB, "
             f"kvdata shards <= "
             f"{a.shard_size}; tier budget {budget / MB:,.1f} MB ({budget / ds_bytes:.0%} of the dataset); "
@@ -540,7 +586,7 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
             f"files still mapped, sampled every 10 ms.", "",
             md_table(["reader", "epoch", "samples/s", "% of link", "home (datasets, wire)",
                       "payload (datasets)", "GETs", "tier peak (vs budget)", "vs (c)"], rows, left=1),
-            "(d) litdata and mosaic-streaming: not run (neither is installed here)."]
+            "(d) litdata and mosaic-streaming: bench/random_order_peers.py (bench/README.md)."]
     sv = res.get("server") or {}
     if "ranged_in_shards" in sv:
         w, r = sv["whole_objects"], sv["ranged_in_shards"]
@@ -602,6 +648,9 @@ def main() -> None:
     p.add_argument("--only", default="a,ad,as,asd,b,c",
                    help="which of a, ad (a through kvdatad), as / asd (a / ad with ShardShuffleSampler), b, c to run")
     p.add_argument("--no-daemon", action="store_true", help="skip (a) through kvdatad")
+    p.add_argument("--home", choices=["s3", "http"], default="s3",
+                   help="the home: the S3 server (moto), or nginx's static files (a ranged GET costs it what a "
+                        "whole-file GET does, as on S3); http skips (b) and the server calibration")
     p.add_argument("--netlab-sh", default=str(NETLAB_SH))
     p.add_argument("--dir", type=Path, help="work directory (default: a temp dir, removed)")
     p.add_argument("--json", type=Path)
@@ -635,6 +684,9 @@ def main() -> None:
         a.skipped["b"] = "--no-before"
     if a.no_daemon:
         only -= {"ad", "asd"}
+    if a.home == "http" and "b" in only:
+        only.discard("b")
+        a.skipped["b"] = "--home http (the comparison before issue 12 is made on S3)"
     made = a.dir is None
     work = Path(tempfile.mkdtemp(prefix="kvdata-random-", dir="/tmp")) if made else a.dir
     work.mkdir(parents=True, exist_ok=True)
@@ -655,14 +707,27 @@ def main() -> None:
         import boto3
         boto3.session.Session().client("s3", endpoint_url=DIRECT).create_bucket(Bucket=BUCKET)
         url = f"s3://{BUCKET}/ds.kv"
-        if only & {"a", "ad", "as", "asd"}:
+        if a.home == "http":  # the same dataset pushed into nginx's root, the samples as files beside it
+            www = www_dir()
+            shutil.rmtree(www / "ds.kv", ignore_errors=True)
+            shutil.rmtree(www / "samples", ignore_errors=True)
+            url = f"{NGINX_URL}/ds.kv"
+            if only & {"a", "ad", "as", "asd"}:
+                out["push_s"] = prepare(src, str(www / "ds.kv"), a.samples, DIRECT)
+            if "c" in only:
+                (www / "samples").mkdir(parents=True)
+                import kvdata
+                with kvdata.open(src) as st:
+                    for i in range(a.samples):
+                        (www / "samples" / sample_name(i)).write_bytes(st[i]["image"].tobytes())
+        elif only & {"a", "ad", "as", "asd"}:
             out["push_s"] = prepare(src, url, a.samples, DIRECT)
             log(f"pushed in {out['push_s']:.1f}s")
-        if "c" in only:
+        if "c" in only and a.home == "s3":
             put_samples(src, f"s3://{BUCKET}/samples", a.samples)
             log("samples put as objects")
         s3_env(DELAYED)
-        if "c" in only and only & {"a", "ad"}:
+        if "c" in only and only & {"a", "ad"} and a.home == "s3":
             try:
                 out["server"] = server_rates(url, f"s3://{BUCKET}/samples", a.samples, a.threads, a.seed)
                 log(f"server: {out['server']}")
@@ -687,7 +752,8 @@ def main() -> None:
                 elif k in ("ad", "asd"):
                     out["runs"][k] = run_daemon(a, url, work, budget, shard_aware=k == "asd")
                 elif k == "c":
-                    ds = GetDataset(f"s3://{BUCKET}/samples", a.samples, a.threads)
+                    ds = (GetDataset(f"s3://{BUCKET}/samples", a.samples, a.threads) if a.home == "s3"
+                          else HttpGetDataset(f"{NGINX_URL}/samples", a.samples, a.threads))
                     eps = run_epochs(ds, a.epochs, a.batch_size, a.workers, a.seed, None, None)
                     for ep in eps:
                         ep["payload_bytes"] = ep["samples"] * IMG
