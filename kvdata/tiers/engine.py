@@ -387,6 +387,8 @@ class Engine:
         with self._lock:
             fut = self._inflight.get(key)
             if fut is None:
+                if self._closed:
+                    raise StagingAbortedError(f"shard {entry.name}: the staging engine is closing")
                 fut = self._jobs.submit(self._stage_job, home, entry, target, need_now)
                 self._inflight[key] = fut
                 if need_now:
@@ -652,6 +654,9 @@ class Engine:
         self._closed = True
         if abort:
             self._abort.set()
+            # queued copies are dropped now, not after the planner stops (that can take seconds on
+            # a busy machine, and kvdatad exits after a bound): running ones stop at their next chunk
+            self._jobs.shutdown(wait=False, cancel_futures=True)
         self._orders.close()
         self.modes.close()
         self._plan_event.set()
