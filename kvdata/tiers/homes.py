@@ -18,103 +18,18 @@ import stat
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from .._util.digest import is_sha256
 from .._util.fsutil import create_exclusive, fsync_dir, read_regular, unlink_quiet
-from ..errors import ChecksumMismatchError, KVDataError, NotADatasetError, ReadOnlyError, RemoteError
+from ..errors import ChecksumMismatchError, KVDataError, NotADatasetError, RemoteError
 from ..format import names
 from ..format.codec import CHUNK, file_sha256
+from .home_base import PART_SIZE, READ_LIMIT, Home, is_url  # noqa: F401 -- is_url re-exported (callers import it from here)
 
-PART_SIZE = 8 << 20
-READ_LIMIT = 1 << 30   # default cap of Home.read (callers reading metadata pass a smaller one)
 SHA256_XATTR = "user.kvdata.sha256"   # a local home file's recorded sha256 (see LocalHome.sha256)
 S3_SHA256_META = "sha256"             # an S3 object's recorded sha256: the header x-amz-meta-sha256
-
-
-def is_url(path: str | os.PathLike[str]) -> bool:
-    return isinstance(path, str) and ("://" in path)
-
-
-class Home:
-    """A dataset's home. Names are relative paths inside the dataset ("manifest.json",
-    "index/samples-1.bin", "shards/000000.mdb.zst")."""
-
-    url: str
-    writable = False
-    trusted_manifest = True   # its manifest binds compressed copies to content hashes (see PassedFiles)
-    #: the tiers.records.RecordReader of this home, made on its first record read and kept with
-    #: it, so every source reading this home in the process shares its verified seek tables
-    record_reader: Any = None
-    #: whether readers can read this home's shards record by record (tiers.records: remote homes,
-    #: whose framed cold copies take ranged GETs); a local home is read in place instead
-    record_reads = False
-
-    def local_path(self, name: str) -> Path | None:
-        """A path that can be read in place, or None for remote homes."""
-        return None
-
-    def size(self, name: str) -> int:
-        raise NotImplementedError
-
-    def read_range(self, name: str, start: int, length: int) -> bytes:
-        raise NotImplementedError
-
-    def read(self, name: str, limit: int = READ_LIMIT) -> bytes:
-        """The whole object, streamed with a cap: RemoteError naming the URL and the limit
-        if it holds more than `limit` bytes (a home cannot make a reader hold more)."""
-        size = self.size(name)
-        if size > limit:
-            raise RemoteError(f"{self.where(name)} has {size} bytes, more than the {limit}-byte limit for it")
-        data = self.read_range(name, 0, size)
-        if len(data) != size:
-            raise RemoteError(f"{self.where(name)} changed while being read ({len(data)} of {size} bytes)")
-        return data
-
-    def sha256(self, name: str) -> str | None:
-        """The sha256 of the object `name` at this home, where the home can tell it without
-        reading the object over the network -- or None: missing, never recorded, not a regular
-        file, or no way to tell (HTTP, passed files). `kvdata push` uploads an object again
-        unless this equals the sha256 its manifest gives, so None only costs an upload."""
-        return None
-
-    def put_file(self, name: str, path: Path, sha256: str | None = None) -> None:
-        """Upload the local file `path` as `name`. With `sha256`, the file must hash to it
-        (ChecksumMismatchError, nothing published, if it does not) and the home records it
-        for `sha256()`."""
-        raise ReadOnlyError(f"{self.url} is read-only; push to a local path or s3://")
-
-    def where(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}/{name}"
-
-    def open_passed(self, sha: str) -> tuple[int, str] | None:
-        """A descriptor of the shard's file that a client passed (PassedFiles only)."""
-        return None
-
-    def mark_proven(self, sha: str) -> None:
-        """A verified copy of `sha` was just made from this home's own bytes."""
-
-    def can_stage(self, sha: str) -> bool:
-        """Whether this home can supply the shard now (a PassedFiles only holds some)."""
-        return True
-
-    def parts(self, name: str, size: int, pool: ThreadPoolExecutor, part_size: int = PART_SIZE,
-              in_flight: int = 8) -> Iterator[bytes]:
-        """The object's bytes in order, fetched as concurrent ranged parts (bounded memory)."""
-        starts = list(range(0, size, part_size))
-        pending: list[Future[bytes]] = []
-        nxt = 0
-        while nxt < len(starts) or pending:
-            while nxt < len(starts) and len(pending) < in_flight:
-                a = starts[nxt]
-                pending.append(pool.submit(self.read_range, name, a, min(part_size, size - a)))
-                nxt += 1
-            yield pending.pop(0).result()
-
-    def close(self) -> None:
-        pass
 
 
 class LocalHome(Home):
@@ -567,6 +482,10 @@ def open_home(location: str | os.PathLike[str]) -> Home:
         return HTTPHome(s)
     if s.startswith("file://"):
         return LocalHome(urllib.parse.urlparse(s).path)
+    from .fsspec_home import FsspecHome, fsspec_scheme
+
+    if fsspec_scheme(s) is not None:  # gs://, az://, hf://, memory://, ...: any fsspec filesystem
+        return FsspecHome(s)
     if "://" in s:
-        raise NotADatasetError(f"{s}: unsupported URL scheme; use a path, s3://, http:// or https://")
+        raise NotADatasetError(f"{s}: unsupported URL scheme; use a path, s3://, http(s):// or an fsspec URL")
     return LocalHome(s)
