@@ -298,6 +298,11 @@ class Store:
         """Class names (label i -> classes[i]) kept in the manifest."""
         self._w().set_classes([str(c) for c in classes])
 
+    def set_extra(self, name: str, value: Any) -> None:
+        """Metadata kept in the manifest under `name` (plain JSON; e.g. an importer's source and
+        schema), committed with the next commit and read back as `store.manifest.extra[name]`."""
+        self._w().set_extra(name, value)
+
     def commit(self) -> int:
         """Make every write since the last commit durable and visible, atomically; returns the generation."""
         return self._w().commit()

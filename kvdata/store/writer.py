@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -37,6 +38,7 @@ from ..errors import (
     ClosedError,
     CommitError,
     CorruptDatasetError,
+    InvalidValueError,
     MissingShardError,
     NotADatasetError,
     RecordTooLargeError,
@@ -52,6 +54,7 @@ from .shards import ENVS, Hasher, open_tail_for_write, release_dead_pages, seal,
 LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
 RECORD_OVERHEAD = 64       # LMDB's per-record bytes beyond the value, for sealing decisions
 DEFAULT_SHARD_SIZE = 256_000_000
+_MANIFEST_KEYS = {"format", *(f.name for f in dataclasses.fields(Manifest))} - {"extra"}
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
 SEAL_ON_CLOSE_MIN = 64 << 10  # a "w" writer's close seals the tail unless the whole dataset is smaller
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -196,6 +199,7 @@ class Writer:
         self.schema = dict(m.fields)
         self._last_schema: dict[str, Any] | None = None
         self.classes = list(m.classes)
+        self.extra = dict(m.extra)
         self._publish(gen)
         self.failed = False
 
@@ -244,6 +248,22 @@ class Writer:
 
     def set_classes(self, classes: list[str]) -> None:
         self.classes = classes
+
+    def set_extra(self, name: str, value: Any) -> None:
+        """Keep plain-JSON `value` in the manifest under `name` from the next commit on; checked
+        now as a reader will parse it, so a bad value can never make the manifest unreadable."""
+        if not isinstance(name, str) or not name or name in _MANIFEST_KEYS:
+            raise InvalidValueError(f"manifest key {name!r} is empty or one kvdata uses; choose another name")
+        try:
+            value = json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError, RecursionError) as e:
+            raise InvalidValueError(f"manifest key {name!r}: the value is not plain JSON ({str(e)[:200]})") from None
+        try:
+            fmt.manifest_from_json(json.loads(fmt.dump_manifest(self.m.replace(extra={name: value}))), name)
+        except CorruptDatasetError:  # the one way a plain JSON value fails: too deep for a reader
+            raise InvalidValueError(f"manifest key {name!r}: the value nests too deeply for a manifest; "
+                                    "store it as a JSON string") from None
+        self.extra[name] = value
 
     def put(self, key: str, value: Any, label: int | None) -> None:
         self._check()
@@ -407,7 +427,7 @@ class Writer:
             self._seal()
             p.dirty = True
         p.seal_requested = False
-        if not p.dirty and self.classes == list(self.m.classes):
+        if not p.dirty and self.classes == list(self.m.classes) and self.extra == self.m.extra:
             return self.m.generation
         self._check_sole_writer()
         try:
@@ -535,6 +555,7 @@ class Writer:
             index=IndexFiles(samples_name, records_name, int(records_count), tuple(runs)),
             fields=self.schema,
             classes=tuple(self.classes),
+            extra=dict(self.extra),
         )
         atomic_write(self.root / names.MANIFEST, fmt.dump_manifest(new_m))
         return new_m, stale
