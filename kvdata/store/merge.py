@@ -1,0 +1,450 @@
+"""`kvdata merge`: join datasets written in parallel (parts) into one, without copying record bytes.
+
+N importer processes, or N nodes, each write a part; merge makes one dataset of them. A sealed
+shard is immutable and its records' offsets are offsets inside its own file, so a part's shards
+can become the merged dataset's shards as they are: hard links (a copy, hashed against the
+manifest, only where the filesystem refuses links), renumbered in the order the parts are
+given. The side-index is concatenated with shard numbers and sample positions remapped (numpy,
+no per-record Python), labels are kept (the parts' class lists must agree), field schemas are
+unioned, and one key run holds every key, checked for duplicates first.
+
+Crash safety, like a commit: everything is checked before anything is written (duplicate keys,
+classes, tails, the destination); the merged dataset is then built in a hidden staging directory
+under the destination (`STAGING`), holding its shards/, index/ and manifest.json, fsync'ed; the
+commit renames shards/ and index/ into place, then manifest.json, last. A kill before that leaves
+a destination that is not a dataset (only `.lock` and the staging directory, which the next
+merge into it removes: it made them); after it, a complete dataset. Between the renames (a few
+microseconds) the shards are all there and `kvdata reindex` would rebuild the whole dataset.
+
+Parts are never modified, except: `seal=True` seals a part's open tail first (a normal commit
+of that part, as `kvdata seal` does), and `move=True` removes each part's files once the merged
+dataset is committed (files the part's manifest does not name, e.g. lost+found/, are left).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import format as fmt
+from .._util.fsutil import atomic_write, fsync_dir, unlink_quiet
+from .._util.progress import progress as make_progress
+from ..errors import (
+    CorruptDatasetError,
+    InvalidKeyError,
+    InvalidValueError,
+    KVDataError,
+    MissingShardError,
+    NotADatasetError,
+)
+from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, ZstCopy, names
+from . import index as ix
+from .generation import Generation, load_generation
+from .lock import WriterLock
+from .reader import Reader
+from .shards import NO_LINK_ERRNOS
+
+STAGING = ".kvdata-merge.tmp"  # the merge's own staging directory under the destination
+GENERATION = 1                 # the merged dataset's first generation
+SHOW_DUPLICATES = 5            # duplicate keys named in the error
+COPY_CHUNK = 8 << 20
+
+__all__ = ["merge", "STAGING"]
+
+
+@dataclass
+class _Part:
+    root: Path
+    gen: Generation
+    shard_base: int   # the merged id of this part's shard 0
+    sample_base: int  # the merged position of this part's sample 0
+
+    @property
+    def m(self) -> Manifest:
+        return self.gen.manifest
+
+
+def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str], *, move: bool = False,
+          seal: bool = False, progress: bool | None = None) -> dict[str, Any]:
+    """Join the datasets `parts` (local directories, in this order) into the new dataset `dest`.
+
+    The parts' sealed shards become `dest`'s shards, hard-linked (copied and checked against
+    their sha256 where links are refused); their samples follow one another in the order given.
+    A part with records in its open tail is refused unless `seal` (then it is sealed first, a
+    normal commit of that part). `move` removes the parts' files once `dest` is committed.
+    Refused with nothing written: duplicate keys across parts (named), class lists that
+    disagree, a `dest` that exists and is not empty. Returns a summary (samples, shards,
+    bytes linked and copied, seconds)."""
+    t0 = time.monotonic()
+    if not parts:
+        raise KVDataError("merge needs at least one part")
+    roots = [Path(p) for p in parts]
+    dest_root = Path(dest)
+    _check_paths(roots, dest_root)
+    sealed = [str(r) for r in roots if _tail_records(r, seal)]
+    locks: list[WriterLock] = []
+    try:
+        if move:  # the parts' files go once dest is committed: no writer may be in them meanwhile
+            for r in roots:
+                locks.append(WriterLock(r))
+        summary = _merge(roots, dest_root, move, progress)
+    finally:
+        for lock in locks:
+            lock.release()
+    summary.update({"parts": [str(r) for r in roots], "sealed_parts": sealed, "moved": move,
+                    "seconds": round(time.monotonic() - t0, 3)})
+    return summary
+
+
+def _merge(roots: list[Path], dest_root: Path, move: bool, progress: bool | None) -> dict[str, Any]:
+    loaded: list[_Part] = []
+    shard_base = sample_base = 0
+    for r in roots:
+        gen = load_generation(r)
+        loaded.append(_Part(r, gen, shard_base, sample_base))
+        shard_base += len(gen.manifest.shards)
+        sample_base += gen.manifest.count
+    classes = _merge_classes(loaded)
+    fields: dict[str, dict[str, Any]] = {}
+    for p in loaded:
+        fields = fmt.merge_schema(fields, p.m.fields)
+    hashes = np.concatenate([_key_hashes(p) for p in loaded])
+    _refuse_duplicates(loaded, hashes)
+    for p in loaded:
+        _check_shard_files(p)
+    summary = _write(loaded, dest_root, hashes, classes, fields, progress)
+    if move:
+        summary["left_in_parts"] = {str(p.root): left for p in loaded if (left := _remove_part(p))}
+    return summary
+
+
+# ---------------------------------------------------------------- checks (nothing written yet)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_paths(roots: list[Path], dest: Path) -> None:
+    """Parts are distinct existing directories; dest is none of them, nor inside or around one."""
+    for i, r in enumerate(roots):
+        if not r.is_dir():
+            raise NotADatasetError(f"{r}: no such dataset directory; merge joins local datasets")
+        for earlier in roots[:i]:
+            if _same_file(r, earlier):
+                raise KVDataError(f"{r} is given twice as a part (also as {earlier}); name each part once")
+    real_dest = Path(os.path.realpath(dest))
+    for r in roots:
+        real = Path(os.path.realpath(r))
+        if real_dest == real or real_dest.is_relative_to(real) or real.is_relative_to(real_dest):
+            raise KVDataError(f"{dest}: the destination must be a new directory outside every part "
+                              f"(it overlaps the part {r}); choose another path")
+    _check_dest(dest)
+
+
+def _check_dest(dest: Path) -> None:
+    """dest does not exist, or is an empty directory (or holds only a killed merge's leftovers)."""
+    if os.path.lexists(dest) and not dest.is_dir():
+        raise NotADatasetError(f"{dest} exists and is not a directory; merge into a new path")
+    if dest.is_symlink():
+        raise NotADatasetError(f"{dest} is a symbolic link; merge into a new path")
+    if not dest.exists():
+        return
+    if (dest / names.MANIFEST).exists():
+        raise NotADatasetError(f"{dest} is already a dataset; merge writes a new one: choose a new path, "
+                               "or name it as a part")
+    extra = sorted(n for n in os.listdir(dest) if n not in (names.LOCK, STAGING))
+    if extra:
+        raise NotADatasetError(f"{dest} exists and is not empty (it holds {extra[0]!r}); merge into a new "
+                               "or an empty directory")
+
+
+def _tail_records(root: Path, seal: bool) -> int:
+    """Records in a part's open tail; with `seal`, sealed first (a commit of that part)."""
+    gen = load_generation(root)
+    n = gen.manifest.tail.records
+    if n and seal:
+        from .facade import Store
+
+        with Store(root, "a") as store:
+            store.seal()
+            store.commit()
+    elif n:
+        raise KVDataError(f"{root}: {n} record(s) are in its open tail, which merge cannot share; "
+                          f"seal it first with `kvdata seal {root}`, or pass --seal (seal=True)")
+    return n
+
+
+def _merge_classes(parts: list[_Part]) -> tuple[str, ...]:
+    """One class list for all parts: labels are kept as they are, so each part's list must be a
+    prefix of the longest (a part that saw fewer classes) or empty."""
+    longest: tuple[str, ...] = ()
+    owner: Path | None = None
+    for p in parts:
+        c = p.m.classes
+        if len(c) > len(longest):
+            longest, owner = c, p.root
+    for p in parts:
+        c = p.m.classes
+        if c and c != longest[:len(c)]:
+            i = next(i for i, (a, b) in enumerate(zip(c, longest)) if a != b)
+            raise InvalidValueError(
+                f"{p.root}: its classes disagree with {owner}'s (label {i} is {c[i]!r} there and {longest[i]!r} "
+                "here); labels would change meaning, so the parts cannot be merged; write them with one class list")
+    return longest
+
+
+def _key_hashes(p: _Part) -> np.ndarray:
+    """The key hash of every sample of a part, in sample order (gathered from its key runs)."""
+    if p.m.count == 0:
+        return np.zeros(0, np.uint64)
+    return ix.all_key_hashes(p.gen.index)
+
+
+def _refuse_duplicates(parts: list[_Part], hashes: np.ndarray) -> None:
+    """InvalidKeyError naming keys that are in more than one part (hash matches are confirmed by
+    comparing the keys themselves, so a hash collision is never called a duplicate)."""
+    if len(hashes) < 2:
+        return
+    order = np.argsort(hashes, kind="stable")
+    sh = hashes[order]
+    same = np.nonzero(sh[1:] == sh[:-1])[0]
+    if not len(same):
+        return
+    starts = np.array([p.sample_base for p in parts], dtype=np.int64)
+    found: list[tuple[str, Path, Path]] = []
+    readers: dict[int, Reader] = {}
+    try:
+        for j in same.tolist():
+            a, b = int(order[j]), int(order[j + 1])
+            ka, pa = _key_at(parts, starts, readers, a)
+            kb, pb = _key_at(parts, starts, readers, b)
+            if ka == kb:
+                found.append((ka, parts[pa].root, parts[pb].root))
+                if len(found) > SHOW_DUPLICATES:
+                    break
+    finally:
+        for r in readers.values():
+            r.close()
+    if found:
+        shown = "; ".join(f"{k!r} in {a} and {b}" for k, a, b in found[:SHOW_DUPLICATES])
+        more = " and more" if len(found) > SHOW_DUPLICATES else ""
+        raise InvalidKeyError(f"duplicate keys across parts: {shown}{more}; every key must be in one part only; "
+                              "nothing was written")
+
+
+def _key_at(parts: list[_Part], starts: np.ndarray, readers: dict[int, Reader], pos: int) -> tuple[str, int]:
+    i = int(np.searchsorted(starts, pos, "right")) - 1
+    while parts[i].m.count == 0 or pos - parts[i].sample_base >= parts[i].m.count:
+        i -= 1  # parts with no samples share their start with the next one
+    if i not in readers:
+        readers[i] = Reader(parts[i].gen)
+    return str(readers[i].metas([pos - parts[i].sample_base])[0][1].get("k")), i
+
+
+def _check_shard_files(p: _Part) -> None:
+    """Every shard (and cold copy) the part names is a regular file of the recorded size."""
+    for e in p.m.shards:
+        for name, size in [(e.name, e.bytes)] + ([(e.zst.name, e.zst.bytes)] if e.zst else []):
+            path = p.gen.shards_dir / name
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                raise MissingShardError(f"shard {path} is missing; restore it, then merge") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptDatasetError(f"{path} is not a regular file; restore it and run `kvdata verify {p.root}`")
+            if st.st_size != size:
+                raise CorruptDatasetError(f"{path} is {st.st_size} bytes, its manifest says {size}; "
+                                          f"run `kvdata verify {p.root}`")
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, classes: tuple[str, ...],
+           fields: dict[str, dict[str, Any]], progress: bool | None) -> dict[str, Any]:
+    created = not dest.exists()
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = WriterLock(dest)
+    except BaseException:
+        if created:
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
+    stage = dest / STAGING
+    ok = False
+    try:
+        _check_dest(dest)  # again, under the lock
+        if stage.exists():
+            shutil.rmtree(stage)  # a killed merge's staging: links and copies it made
+        (stage / names.SHARDS_DIR).mkdir(parents=True)
+        (stage / names.INDEX_DIR).mkdir()
+        linked, copied, entries = _place_shards(parts, stage / names.SHARDS_DIR, progress)
+        manifest = _write_index(parts, stage, hashes, entries, classes, fields)
+        atomic_write(stage / names.MANIFEST, fmt.dump_manifest(manifest))
+        fsync_dir(stage)
+        # the commit: shards and index into place, the manifest last
+        os.rename(stage / names.SHARDS_DIR, dest / names.SHARDS_DIR)
+        os.rename(stage / names.INDEX_DIR, dest / names.INDEX_DIR)
+        os.rename(stage / names.MANIFEST, dest / names.MANIFEST)
+        fsync_dir(dest)
+        ok = True
+        stage.rmdir()
+    finally:
+        if not ok:
+            shutil.rmtree(stage, ignore_errors=True)
+        lock.release()
+        if not ok and created:
+            unlink_quiet(dest / names.LOCK)
+            try:
+                dest.rmdir()
+            except OSError:
+                pass
+    return {"dataset": str(dest), "generation": manifest.generation, "samples": manifest.count,
+            "shards": len(manifest.shards), "bytes": sum(e.bytes for e in manifest.shards),
+            "bytes_linked": linked, "bytes_copied": copied}
+
+
+def _place_shards(parts: list[_Part], shards_dir: Path, progress: bool | None) -> tuple[int, int, list[ShardEntry]]:
+    """Each part's shards (and cold copies) under their merged names: hard links, or verified copies."""
+    total = sum(e.bytes for p in parts for e in p.m.shards)
+    linked = copied = 0
+    entries: list[ShardEntry] = []
+    bar = make_progress(total or None, "merge", progress)
+    try:
+        for p in parts:
+            for e in p.m.shards:
+                new_id = p.shard_base + e.id
+                name = names.shard_name(new_id)
+                how = _place(p.gen.shards_dir / e.name, shards_dir / name, e.bytes, e.sha256)
+                zst = None
+                if e.zst is not None:
+                    zname = names.zst_name(name)
+                    _place(p.gen.shards_dir / e.zst.name, shards_dir / zname, e.zst.bytes, e.zst.sha256)
+                    zst = ZstCopy(zname, e.zst.bytes, e.zst.sha256, e.zst.seek_bytes, e.zst.seek_sha256)
+                entries.append(ShardEntry(new_id, name, e.records, e.bytes, e.sha256, zst))
+                if how == "link":
+                    linked += e.bytes
+                else:
+                    copied += e.bytes
+                bar.update(e.bytes)
+    finally:
+        bar.close()
+    fsync_dir(shards_dir)
+    return linked, copied, entries
+
+
+def _place(src: Path, dst: Path, size: int, sha256: str) -> str:
+    """`dst` as a hard link to `src` ("link"), or where links are refused a copy whose size and
+    sha256 match the manifest ("copy"). A file swapped for a symlink meanwhile is refused."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in NO_LINK_ERRNOS:
+            raise
+        _copy_checked(src, dst, size, sha256)
+        return "copy"
+    st = os.lstat(dst)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        raise CorruptDatasetError(f"{src} changed while it was merged (now not a {size}-byte file); "
+                                  "nothing was written; check the part and merge again")
+    return "link"
+
+
+def _copy_checked(src: Path, dst: Path, size: int, sha256: str) -> None:
+    h = hashlib.sha256()
+    n = 0
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with open(dst, "xb") as out:
+            while chunk := os.read(fd, COPY_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+                n += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        os.close(fd)
+    if n != size or h.hexdigest() != sha256:
+        raise CorruptDatasetError(f"{src} does not match its manifest's size and sha256; nothing was written; "
+                                  f"run `kvdata verify {src.parent.parent}` and restore the shard")
+
+
+def _write_index(parts: list[_Part], stage: Path, hashes: np.ndarray, entries: list[ShardEntry],
+                 classes: tuple[str, ...], fields: dict[str, dict[str, Any]]) -> Manifest:
+    """The merged side-index (records concatenated, samples with shard ids moved by each part's
+    shard base, one key run of every key) and its manifest; nothing is named by a manifest yet."""
+    index_dir = stage / names.INDEX_DIR
+    samples_name, records_name = names.samples_name(GENERATION), names.records_name(GENERATION)
+    count = records_count = 0
+    for p in parts:
+        idx = p.gen.index
+        rows = np.array(idx.samples)
+        if len(rows) and int(rows["shard"].max()) >= len(p.m.shards):
+            raise CorruptDatasetError(f"{p.root}: a sample points into its open tail; seal it first with "
+                                      f"`kvdata seal {p.root}`")
+        rows["shard"] += np.uint32(p.shard_base)
+        ix.append_rows(index_dir / samples_name, count, rows)
+        ix.append_rows(index_dir / records_name, records_count, np.asarray(idx.records))
+        count += len(rows)
+        records_count += len(idx.records)
+    runs: tuple[KeyRunEntry, ...] = ()
+    if count:
+        run = names.keys_name(GENERATION, 0)
+        ix.write_key_run(index_dir / run, hashes, np.arange(count, dtype=np.uint64))
+        runs = (KeyRunEntry(run, count),)
+    fsync_dir(index_dir)
+    first = parts[0].m
+    n = len(entries)
+    return Manifest(generation=GENERATION, count=count, shard_size=first.shard_size, compress=first.compress,
+                    shards=tuple(entries), tail=TailEntry(n, names.tail_name(n), 0),
+                    index=IndexFiles(samples_name if count else None, records_name if records_count else None,
+                                     records_count, runs),
+                    fields=fields, classes=classes)
+
+
+# ---------------------------------------------------------------- --move
+
+
+def _remove_part(p: _Part) -> list[str]:
+    """After the commit: remove the files the part's manifest names (its manifest first, so a
+    crash here leaves no dataset that looks whole); returns what is left (not removed)."""
+    root = p.root
+    m = p.m
+    unlink_quiet(root / names.MANIFEST)
+    fsync_dir(root)
+    shard_files = {e.name for e in m.shards} | {e.zst.name for e in m.shards if e.zst} \
+        | {m.tail.name, names.lmdb_lock_name(m.tail.name)} | {names.lmdb_lock_name(e.name) for e in m.shards}
+    for name in shard_files:
+        unlink_quiet(root / names.SHARDS_DIR / name)
+    for _kind, name, _n in m.index_files():
+        unlink_quiet(root / names.INDEX_DIR / name)
+    left: list[str] = []
+    for sub in (names.SHARDS_DIR, names.INDEX_DIR):
+        try:
+            (root / sub).rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            left += sorted(f"{sub}/{n}" for n in os.listdir(root / sub))
+    unlink_quiet(root / names.LOCK)  # ours (held since the merge began); unlinking it frees no one
+    try:
+        root.rmdir()
+    except OSError:
+        left += sorted(n for n in os.listdir(root) if n not in (names.SHARDS_DIR, names.INDEX_DIR))
+    return left
