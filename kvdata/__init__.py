@@ -14,7 +14,7 @@ from .reader.open import open_dataset as open
 from .store import Store
 
 __all__ = ["open", "Store", "KVDataError", "Dataset", "ShardShuffleSampler", "collate", "BatchReader", "Loader",
-           "Ragged", "__version__"]
+           "Ragged", "from_iterable", "from_arrays", "__version__"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -24,11 +24,13 @@ _LAZY = {
     "BatchReader": ("reader.batch_reader", "BatchReader"),
     "Loader": ("reader.loader", "Loader"),
     "Ragged": ("store.stacking", "Ragged"),
+    "from_iterable": ("importers.python", "from_iterable"),
+    "from_arrays": ("importers.python", "from_arrays"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    """Load the torch-based names on first use, so `import kvdata` never imports torch."""
+    """Load the torch-based names (and the importers) on first use, so `import kvdata` never imports torch."""
     if name in _LAZY:
         import importlib
 
