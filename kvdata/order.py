@@ -127,3 +127,188 @@ def first_use_order(shards_of_samples: np.ndarray) -> np.ndarray:
     np.minimum.at(first, s, np.arange(len(s), dtype=np.int64))
     ids = np.nonzero(first < len(s))[0]
     return ids[np.argsort(first[ids], kind="stable")]
+
+
+# ---------------------------------------------------------------- locality-aware orders
+#
+# With many nodes, a global order makes every node read a fresh 1/nodes of the shards every
+# epoch, so a node's tier hits about as often as it holds the dataset. The locality order
+# gives each node a stable part of the shards instead, and moves a fraction `exchange` of
+# them to other nodes every epoch, so that over epochs every shard meets every other.
+#
+# How shards move, as a pure function of (seed, epoch, nodes) with no state carried between
+# epochs: every shard has a phase phi in [0, 1) (stratified: the phases of the shards are
+# evenly spread) and a rate r = exchange * nodes / (nodes - 1) (capped at 1: a re-drawn shard
+# stays where it was with probability 1/nodes). Its *era* at epoch e is floor(e * r + phi);
+# it is re-drawn at the epochs its era changes. The shards re-drawn at epoch e form the group
+# of e, which is split over the nodes by a seeded random partition balanced by sample count.
+# A shard's node at epoch e is thus its place in the partition of the group of the last epoch
+# its era changed: about r * shards are re-drawn each epoch, and a node keeps about
+# 1 - exchange of its shards from one epoch to the next. exchange=0 never re-draws.
+
+_PHASE = 1 << 20  # phases and rates in integer units of 1/_PHASE: exact and platform-independent
+_SALT_PHASE, _SALT_GROUP = 11, 12
+
+
+def _seeded(seed: int, *words: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed) & (2**63 - 1),
+                                                          *(int(w) & (2**64 - 1) for w in words)]))
+
+
+def _check_locality(nodes: int, exchange: float) -> None:
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    if not 0.0 <= exchange <= 1.0:
+        raise ValueError(f"exchange must be in [0, 1] (the fraction of a node's shards moved per epoch), got {exchange}")
+
+
+def exchange_rate(nodes: int, exchange: float) -> int:
+    """Per-epoch re-draw rate of a shard in units of 1/2**20 (0: never, 2**20: every epoch)."""
+    _check_locality(nodes, exchange)
+    if nodes == 1 or exchange == 0:
+        return 0
+    return max(1, min(_PHASE, round(exchange * nodes / (nodes - 1) * _PHASE)))
+
+
+def _balanced_split(counts: np.ndarray, nodes: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A random order of the shards (positions into counts) and the node of each, in
+    contiguous runs of about equal sample count (each node within one shard of its share)."""
+    p = rng.permutation(len(counts))
+    c = counts[p]
+    total = int(c.sum())
+    if total == 0:
+        return p, np.zeros(len(p), dtype=np.int64)
+    mid2 = 2 * np.cumsum(c) - c                       # twice each shard's midpoint, integer
+    chunk = np.minimum(mid2 * nodes // (2 * total), nodes - 1)
+    rot = int(rng.integers(nodes))                    # which node gets which run, so rounding does not always favour node 0
+    return p, (chunk + rot) % nodes
+
+
+def node_of_shards(groups: ShardGroups, seed: int, epoch: int, nodes: int, exchange: float) -> np.ndarray:
+    """The node (0..nodes-1) of every shard of groups.shard_ids at this epoch."""
+    rate = exchange_rate(nodes, exchange)
+    k = len(groups.shard_ids)
+    out = np.zeros(k, dtype=np.int64)
+    if nodes == 1 or k == 0:
+        return out
+    phase = _seeded(seed, _SALT_PHASE).permutation(k).astype(np.int64) * _PHASE // k
+    if rate == 0:
+        last = np.zeros(k, dtype=np.int64)            # one group forever
+    else:
+        era = (int(epoch) * rate + phase) // _PHASE
+        last = -((phase - era * _PHASE) // rate)      # first epoch of that era: ceil((era - phi) / r)
+    # group by the epoch of the last re-draw (about 1/r + 1 groups). Each group is split as a
+    # whole, as it was on the epoch it was drawn, and its members that have not been re-drawn
+    # since keep their node from that split (re-splitting only the rest would move them all)
+    drawn = np.zeros(k, dtype=np.int64)
+    for e_last in np.unique(last).tolist():
+        if rate == 0:
+            group = np.arange(k)
+        else:
+            group = np.flatnonzero((e_last * rate + phase) // _PHASE != ((e_last - 1) * rate + phase) // _PHASE)
+        p, node = _balanced_split(groups.counts[group], nodes, _seeded(seed, _SALT_GROUP, nodes, rate, e_last))
+        drawn[group[p]] = node
+        members = last == e_last
+        out[members] = drawn[members]
+    return out
+
+
+def locality_node_orders(groups: ShardGroups, seed: int, epoch: int, nodes: int, exchange: float,
+                         window: int = 8, shuffle: bool = True,
+                         keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Every sample once, node by node: (order, bounds) with node j's samples in
+    order[bounds[j]:bounds[j + 1]].
+
+    Inside a node: its shards in this epoch's shard permutation, samples shuffled within
+    windows of `window` of the node's shards, as epoch_order (with nodes=1 it is
+    epoch_order). shuffle=False: the node's shards in ascending order, stored order within.
+    keep (a bool mask over samples) drops the samples it marks False (the rest of an epoch
+    after a resume onto another world).
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    n = groups.num_samples
+    node = node_of_shards(groups, seed, epoch, nodes, exchange)
+    perm = shard_permutation(groups, seed, epoch) if shuffle else np.arange(len(groups.shard_ids))
+    seq = perm[np.argsort(node[perm], kind="stable")]    # the permutation, node by node
+    lengths = groups.counts[seq]
+    ends = np.cumsum(lengths)
+    offsets = np.repeat(groups.starts[seq] - (ends - lengths), lengths)
+    order = groups.by_shard[np.arange(n, dtype=np.int64) + offsets]
+    node_seq = node[seq]
+    per_node = np.bincount(node_seq, weights=lengths, minlength=nodes).astype(np.int64)
+    bounds = np.concatenate([[0], np.cumsum(per_node)])
+    if shuffle and n:
+        first = np.searchsorted(node_seq, node_seq, side="left")      # each shard's node's first shard
+        at_window = (np.arange(len(seq)) - first) % window == 0
+        wb = np.append((ends - lengths)[at_window], n)
+        rng = _rng(seed, epoch, 1)
+        for a, b in zip(wb[:-1].tolist(), wb[1:].tolist()):
+            rng.shuffle(order[a:b])
+    if keep is not None:
+        kept = keep[order]
+        ck = np.concatenate([[0], np.cumsum(kept)])
+        order, bounds = order[kept], ck[bounds]
+    return order, bounds
+
+
+def balance_nodes(order: np.ndarray, bounds: np.ndarray, local_world: int, drop_last: bool) -> np.ndarray:
+    """Rank shares (one row per rank, rank = node * local_world + local rank) of node orders
+    of unequal lengths: every rank the same count, as rank_share over nodes * local_world.
+
+    A node keeps the head of its order up to its quota; the tails of the nodes above it
+    fill, in node order, the nodes below (at their end); what is still missing is the
+    wrap-around padding (order[0], order[1], ...), or with drop_last the surplus is dropped.
+    A node's ranks take contiguous slices of its quota.
+    """
+    nodes = len(bounds) - 1
+    world = nodes * local_world
+    n = len(order)
+    per = samples_per_rank(n, world, drop_last)
+    quota = per * local_world
+    sizes = np.diff(bounds)
+    spill = [order[int(bounds[j]) + quota:int(bounds[j + 1])] for j in range(nodes) if sizes[j] > quota]
+    pad = nodes * quota - n
+    if pad > 0 and n:
+        spill.append(np.resize(order, pad))
+    pool = np.concatenate(spill) if spill else order[:0]
+    out = np.empty((nodes, quota), dtype=order.dtype)
+    taken = 0
+    for j in range(nodes):
+        mine = min(int(sizes[j]), quota)
+        out[j, :mine] = order[int(bounds[j]):int(bounds[j]) + mine]
+        need = quota - mine
+        out[j, mine:] = pool[taken:taken + need]
+        taken += need
+    return out.reshape(world, per)
+
+
+def locality_shares(groups: ShardGroups, seed: int, epoch: int, nodes: int, world_size: int, exchange: float,
+                    window: int = 8, shuffle: bool = True, drop_last: bool = False,
+                    history: tuple[tuple[int, int, int], ...] = ()) -> np.ndarray:
+    """Every rank's samples for an epoch of the locality order: shape (world_size, per rank).
+
+    history: the (nodes, world_size, position) of earlier runs of this epoch on other
+    worlds (each rank of such a run had read `position` samples of its share). Each run is
+    planned over what the runs before it left, so the result holds every sample of the epoch
+    not yet read exactly once (plus the padding or minus the drop_last remainder of fewer
+    than world_size samples): elastic resume, derived from the history, not stored.
+    """
+    keep: np.ndarray | None = None
+    for h_nodes, h_world, h_pos in history:
+        shares = _one_world(groups, seed, epoch, h_nodes, h_world, exchange, window, shuffle, drop_last, keep)
+        if not 0 <= h_pos <= shares.shape[1]:
+            raise ValueError(f"position {h_pos} is outside [0, {shares.shape[1]}] for {h_nodes} nodes x "
+                             f"{h_world // h_nodes} ranks")
+        if keep is None:
+            keep = np.ones(groups.num_samples, dtype=bool)
+        keep[shares[:, :h_pos].ravel()] = False
+    return _one_world(groups, seed, epoch, nodes, world_size, exchange, window, shuffle, drop_last, keep)
+
+
+def _one_world(groups: ShardGroups, seed: int, epoch: int, nodes: int, world_size: int, exchange: float,
+               window: int, shuffle: bool, drop_last: bool, keep: np.ndarray | None) -> np.ndarray:
+    if world_size < 1 or world_size % nodes:
+        raise ValueError(f"world_size {world_size} is not a multiple of nodes {nodes}")
+    order, bounds = locality_node_orders(groups, seed, epoch, nodes, exchange, window, shuffle, keep)
+    return balance_nodes(order, bounds, world_size // nodes, drop_last)

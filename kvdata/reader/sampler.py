@@ -1,7 +1,8 @@
 """ShardShuffleSampler: a deterministic, resumable, rank-aware shard-blocked shuffle.
 
 The order comes from kvdata.order (numpy only), so the stager plans with exactly
-the sequence this sampler yields.
+the sequence this sampler yields. With locality=True each node keeps a stable part of
+the shards (kvdata.order.locality_shares), so its tier keeps serving it epoch after epoch.
 """
 
 from __future__ import annotations
@@ -33,20 +34,40 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
       contiguous slice of the epoch order, so a rank touches ~1/world of the shards;
     - state_dict()/load_state_dict() resume mid-epoch exactly;
     - shard_order(epoch) is the shard sequence this rank will read, for the stager.
+
+    locality=True (for many nodes, each with its own tier): each node reads a stable part of
+    the shards, balanced by sample count, and every epoch a fraction `exchange` of each
+    node's shards moves to other nodes, so over epochs every sample meets every other.
+    Inside a node the shard order and the window shuffle are as above, split across the
+    node's ranks; every rank still gets len(self) samples (nodes with more samples than
+    their share hand the tail of their order to the nodes with fewer). The partition is a
+    pure function of (seed, epoch, nodes). `nodes` defaults to world_size //
+    LOCAL_WORLD_SIZE (set by torchrun) when torch.distributed is initialized, else 1; a
+    rank's node is rank // (world_size // nodes) (torchrun's layout) unless `node` says
+    otherwise (its place inside the node is then LOCAL_RANK, or rank % ranks per node).
+    Its state_dict() resumes onto a different world size too (docs/SHUFFLE.md).
     """
 
     def __init__(self, dataset: Any, seed: int = 0, window: int = 8, shuffle: bool = True,
-                 rank: int | None = None, world_size: int | None = None, drop_last: bool = False) -> None:
+                 rank: int | None = None, world_size: int | None = None, drop_last: bool = False,
+                 locality: bool = False, exchange: float = 0.1, nodes: int | None = None,
+                 node: int | None = None) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        distributed = dist.is_available() and dist.is_initialized()
         if world_size is None:
-            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            world_size = dist.get_world_size() if distributed else 1
         if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = dist.get_rank() if distributed else 0
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.seed, self.window, self.shuffle = int(seed), int(window), bool(shuffle)
         self.rank, self.world_size, self.drop_last = int(rank), int(world_size), bool(drop_last)
+        self.locality, self.exchange = bool(locality), float(exchange)
+        self.nodes, self.node, self._slot = 1, 0, self.rank   # the row of the plan this rank reads
+        if self.locality:
+            self.nodes, self.node, self._slot = _node_identity(self.rank, self.world_size, nodes, node, distributed)
+            order_mod.exchange_rate(self.nodes, self.exchange)  # validates exchange
         shards = np.asarray(dataset.sample_shards)
         self._groups = order_mod.group_by_shard(shards)
         self._shards = shards
@@ -56,7 +77,11 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self._start = 0        # where the next __iter__ begins (set by load_state_dict)
         self._yielded = 0      # position reached by the current iterator
-        self._cache: list[tuple[int, np.ndarray]] = []
+        # locality only: earlier runs of this epoch on other worlds, [(nodes, world_size, position)],
+        # from load_state_dict; the next __iter__ reads what they left
+        self._history: tuple[tuple[int, int, int], ...] = ()
+        self._resuming = False  # load_state_dict set _start/_history for the next __iter__
+        self._cache: list[tuple[tuple[int, tuple[tuple[int, int, int], ...]], np.ndarray]] = []
 
     def __len__(self) -> int:
         return self.num_samples
@@ -65,21 +90,28 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         """Start `epoch` from its beginning (or, right after load_state_dict of that
         same epoch, from the saved position)."""
         if epoch != self.epoch:
-            self._start = 0
+            self._start, self._history, self._resuming = 0, (), False
         self.epoch = int(epoch)
         self._yielded = self._start
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's sample indices for an epoch, in order (numpy, computed once per epoch)."""
-        return self._order_of(self.epoch if epoch is None else int(epoch))
+        """This rank's sample indices for an epoch, in order (numpy, computed once per epoch).
+        After a resume onto another world: what this rank reads of the rest of that epoch."""
+        e = self.epoch if epoch is None else int(epoch)
+        return self._order_of(e, self._history if e == self.epoch else ())
 
-    def _order_of(self, e: int) -> np.ndarray:
-        for cached_e, mine in self._cache:
-            if cached_e == e:
+    def _order_of(self, e: int, history: tuple[tuple[int, int, int], ...] = ()) -> np.ndarray:
+        key = (e, history)
+        for cached, mine in self._cache:
+            if cached == key:
                 return mine
-        full = order_mod.epoch_order(self._groups, self.seed, e, self.window, self.shuffle)
-        mine = order_mod.rank_share(full, self.rank, self.world_size, self.drop_last)
-        self._cache = (self._cache + [(e, mine)])[-2:]  # this epoch and the next
+        if self.locality:
+            mine = order_mod.locality_shares(self._groups, self.seed, e, self.nodes, self.world_size, self.exchange,
+                                             self.window, self.shuffle, self.drop_last, history)[self._slot]
+        else:
+            full = order_mod.epoch_order(self._groups, self.seed, e, self.window, self.shuffle)
+            mine = order_mod.rank_share(full, self.rank, self.world_size, self.drop_last)
+        self._cache = (self._cache + [(key, mine)])[-2:]  # this epoch and the next
         return mine
 
     def shard_order(self, epoch: int | None = None) -> np.ndarray:
@@ -88,6 +120,9 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         return order_mod.first_use_order(self._shards[idx])
 
     def __iter__(self) -> Iterator[int]:
+        if not self._resuming:           # iterating an epoch again starts it from its beginning
+            self._start, self._history = 0, ()
+        self._resuming = False
         mine = self.indices()
         start, self._start = self._start, 0
         self._yielded = start
@@ -135,22 +170,76 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         processed (e.g. batches_done * batch_size); by default the number this
         sampler has yielded, which runs ahead of training when a DataLoader prefetches."""
         pos = self._yielded if consumed is None else int(consumed)
-        return {"version": STATE_VERSION, "epoch": self.epoch, "position": pos, "seed": self.seed,
-                "window": self.window, "shuffle": self.shuffle, "world_size": self.world_size,
-                "rank": self.rank, "drop_last": self.drop_last, "num_samples": self.num_samples,
-                "dataset_size": int(len(self._shards))}
+        state: dict[str, Any] = {"version": STATE_VERSION, "epoch": self.epoch, "position": pos, "seed": self.seed,
+                                 "window": self.window, "shuffle": self.shuffle, "world_size": self.world_size,
+                                 "rank": self.rank, "drop_last": self.drop_last, "num_samples": self.num_samples,
+                                 "dataset_size": int(len(self._shards))}
+        if self.locality:  # a few numbers whatever the dataset size: the rest is derived from them
+            state.update(locality=True, exchange=self.exchange, nodes=self.nodes,
+                         history=[list(h) for h in self._history])
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`: the rest of the epoch is identical to an uninterrupted run."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"sampler state version {state.get('version')} is not {STATE_VERSION}")
-        for key in ("seed", "window", "shuffle", "world_size", "drop_last", "dataset_size"):
+        if bool(state.get("locality", False)) != self.locality:
+            raise ValueError(f"sampler state has locality={bool(state.get('locality', False))} but this sampler has "
+                             f"locality={self.locality}; resume with the same settings")
+        keys = ["seed", "window", "shuffle", "drop_last", "dataset_size"]
+        keys += ["exchange"] if self.locality else ["world_size"]  # locality resumes onto any world
+        for key in keys:
             mine = len(self._shards) if key == "dataset_size" else getattr(self, key)
             if state[key] != mine:
                 raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has {mine!r}; "
                                  "resume with the same settings and dataset")
-        if not 0 <= int(state["position"]) <= self.num_samples:
-            raise ValueError(f"sampler state position {state['position']} is outside [0, {self.num_samples}]")
+        pos = int(state["position"])
+        if not self.locality:
+            if not 0 <= pos <= self.num_samples:
+                raise ValueError(f"sampler state position {pos} is outside [0, {self.num_samples}]")
+            history: tuple[tuple[int, int, int], ...] = ()
+        else:
+            history = _parse_history(state)
+            s_nodes, s_world = int(state["nodes"]), int(state["world_size"])
+            bound = order_mod.samples_per_rank(len(self._shards), s_world, self.drop_last)
+            if not 0 <= pos <= bound:
+                raise ValueError(f"sampler state position {pos} is outside [0, {bound}]")
+            if (s_nodes, s_world) != (self.nodes, self.world_size):
+                # another world: this one reads what the saved run left of the epoch
+                history, pos = history + ((s_nodes, s_world, pos),), 0
         self.epoch = int(state["epoch"])
-        self._start = int(state["position"])
+        self._history = history
+        self._start = pos
         self._yielded = self._start
+        self._resuming = True
+
+
+def _node_identity(rank: int, world_size: int, nodes: int | None, node: int | None,
+                   distributed: bool) -> tuple[int, int, int]:
+    """(nodes, this rank's node, this rank's row of the plan) for locality sampling."""
+    if nodes is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "") if distributed else ""
+        nodes = world_size // int(local) if local.isdigit() and int(local) > 0 and world_size % int(local) == 0 else 1
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(f"world_size {world_size} is not a multiple of nodes {nodes}: every node runs "
+                         "the same number of ranks; pass nodes= (or set LOCAL_WORLD_SIZE)")
+    per_node = world_size // nodes
+    if node is None:
+        return nodes, rank // per_node, rank
+    if not 0 <= node < nodes:
+        raise ValueError(f"node {node} is not in [0, {nodes})")
+    local_rank = os.environ.get("LOCAL_RANK", "") if distributed else ""
+    inside = int(local_rank) if local_rank.isdigit() and int(local_rank) < per_node else rank % per_node
+    return nodes, node, node * per_node + inside
+
+
+def _parse_history(state: dict[str, Any]) -> tuple[tuple[int, int, int], ...]:
+    try:
+        out = tuple((int(n), int(w), int(p)) for n, w, p in state.get("history", []))
+    except (TypeError, ValueError):
+        raise ValueError(f"sampler state history {state.get('history')!r} is not a list of "
+                         "[nodes, world_size, position]") from None
+    for n, w, p in out:
+        if n < 1 or w < 1 or w % n or p < 0:
+            raise ValueError(f"sampler state history entry {[n, w, p]} is not [nodes, world_size, position]")
+    return out
