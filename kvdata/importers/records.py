@@ -1,0 +1,168 @@
+"""What the record importers (wds, tfrecord) share: decoding image bytes, the worker pool,
+and the one writing loop with `--skip-bad`.
+
+A source is first scanned in the parent (framing, names, sizes: everything that can be
+checked without reading payloads), which yields a list of small picklable tasks. Workers
+turn a task into a record (`Loaded`) or a report of why it is bad (`Bad`) -- they never
+raise for bad input, so the parent decides: fail the whole import (nothing committed) or,
+with skip_bad, leave the record out and list it in the summary. The parent is the one
+writer and commits once at the end, so an import is all-or-nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import format as fmt
+from .._util.progress import progress as make_progress
+from .._util.sizes import parse_size
+from ..errors import ConfigError, InvalidKeyError, InvalidValueError
+from ..reader.open import open_dataset
+from .common import summary
+
+DECODE_MODES = ("none", "rgb", "gray")
+# What an encoded image starts with: only bytes that look like an image are given to Pillow.
+_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
+# How many bad records a summary lists (all are counted).
+MAX_BAD_LISTED = 1000
+
+
+class Loaded(NamedTuple):
+    """A record ready to put."""
+
+    key: str
+    value: dict[str, Any]
+    label: int | None
+    where: str
+
+
+class Bad(NamedTuple):
+    """A record that cannot be imported: its key (or member name), where it is, and why."""
+
+    key: str
+    where: str
+    reason: str
+
+
+def looks_like_image(data: bytes) -> bool:
+    """Whether `data` starts like a JPEG/PNG/GIF/BMP/TIFF/WebP file."""
+    return data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+
+
+def decode_image(data: bytes, decode: str) -> np.ndarray:
+    """HWC uint8 pixels (3 channels for "rgb", 1 for "gray") of encoded image bytes.
+    Raises InvalidValueError with Pillow's reason; the caller names the record."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            pixels = np.asarray(opened.convert("RGB" if decode == "rgb" else "L"), dtype=np.uint8)
+    except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError, DecompressionBombError ...
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise InvalidValueError(f"Pillow cannot decode the image ({type(e).__name__}: {reason})") from None
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    return np.ascontiguousarray(pixels)
+
+
+def check_common(decode: str, workers: Any, shard_size: int | str | None, install_hint: str) -> None:
+    """Reject bad settings before any file is read."""
+    if decode not in DECODE_MODES:
+        raise ConfigError(f"decode: must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
+        raise ConfigError(f"workers: expected a count >= 0, got {workers!r}")
+    if shard_size is not None:
+        parse_size(shard_size, "shard_size")
+    if decode != "none":
+        try:
+            import PIL.Image  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"decode={decode!r} needs Pillow; install it with `{install_hint}`") from None
+
+
+def make_pool(workers: int) -> Any:
+    """A fork pool for workers >= 2 (None: load in-process). Made before the store opens, so
+    children inherit no LMDB handle or writer lock."""
+    if workers <= 1:
+        return None
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
+    return ctx.Pool(workers)
+
+
+def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], pool: Any,
+            workers: int) -> Iterator[Loaded | Bad]:
+    """Results in task order (ordered imap: the dataset does not depend on the worker count)."""
+    if pool is None:
+        for task in tasks:
+            yield from load(task)
+        return
+    for results in pool.imap(load, tasks, chunksize=max(1, min(16, len(tasks) // (workers * 8)))):
+        yield from results
+
+
+def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], dataset: str | os.PathLike[str], *,
+                  total: int, workers: int, skip_bad: bool, scan_bad: list[Bad], shard_size: int | str | None,
+                  compress: bool, progress: bool | None, started: float, ignored: int = 0) -> dict[str, Any]:
+    """Put every record the tasks load, in order, and commit once; return the summary.
+
+    A Bad result (or a key seen twice) fails the import with its reason unless skip_bad,
+    in which case it is counted in "skipped" and listed in "bad" (up to MAX_BAD_LISTED).
+    `scan_bad` are the records the scan already refused (only passed with skip_bad);
+    `ignored` counts members that are not records at all (no extension, directories)."""
+    bad = list(scan_bad)
+    seen: dict[str, str] = {}
+    labels: set[int] = set()
+    n = 0
+    pool = make_pool(int(workers))
+    bar = None
+    try:
+        bar = make_progress(total=total, label="import", enabled=progress)
+        with open_dataset(dataset, "a", shard_size=shard_size, compress=compress) as store:
+            for result in _loaded(tasks, load, pool, int(workers)):
+                bar.update(1)
+                if isinstance(result, Loaded) and result.key in seen:
+                    result = Bad(result.key, seen[result.key],
+                                 f"key {result.key!r} appears twice (first in {seen[result.key]}); "
+                                 "keys must be unique")
+                if isinstance(result, Bad):
+                    if not skip_bad:
+                        raise InvalidValueError(f"{result.where}: {result.reason}; nothing was imported "
+                                                "(pass --skip-bad to leave such records out)")
+                    bad.append(result)
+                    continue
+                seen[result.key] = result.where
+                store.put(result.key, result.value, label=result.label)
+                if result.label is not None:
+                    labels.add(result.label)
+                n += 1
+            if n == 0:
+                raise InvalidValueError(f"no record could be imported ({len(bad)} bad); nothing was written")
+            store.seal()  # a finished import is read by memory-map offset and can be staged
+            store.commit()
+    finally:
+        if bar is not None:
+            bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    out = summary(dataset, n, len(bad) + ignored, len(labels), started)
+    out["bad"] = [{"key": b.key, "where": b.where, "error": b.reason} for b in bad[:MAX_BAD_LISTED]]
+    out["records_per_s"] = round(n / max(time.perf_counter() - started, 1e-9), 1)
+    return out
+
+
+def key_problem(key: str) -> str | None:
+    """None if `key` is a valid kvdata key, else why not."""
+    try:
+        fmt.check_key(key)
+    except InvalidKeyError as e:
+        return str(e)
+    return None

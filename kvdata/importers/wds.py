@@ -1,0 +1,298 @@
+"""Importing WebDataset tar shards: every `key.ext` group of members becomes one record.
+
+WebDataset's grouping rule is kept: a member `dir/sample.seg.png` has key `dir/sample`
+(the name up to the first dot of its last component) and extension `seg.png`, and
+consecutive members with the same key form one sample. Each extension becomes a field
+named by it:
+
+- images (.jpg .jpeg .png .bmp .gif .webp .ppm .tif .tiff): the file bytes, or with
+  decode="rgb"/"gray" raw HWC uint8 pixels (as the folder importer stores them);
+- .cls .cls2 .index: the integer the text holds (.cls is also the index label);
+- .txt .text: str (UTF-8); .json: the JSON text as str, checked to parse;
+- .npy: the array (np.load without pickle);
+- anything else: bytes.
+
+Tars are outside input, so they are read with the standard library's `tarfile` only as
+far as it is safe: the scan takes headers only, accepts only regular-file members,
+never follows a link, refuses absolute names, `..` components and NUL bytes, bounds
+member sizes, and checks that every member's data lies inside the file and that
+nothing but zero blocks follows the last header `tarfile` could read (it stops quietly
+at a damaged header). Payloads are then read by offset (`os.pread`) in the workers.
+Only uncompressed tars are read (a .tar.gz must be gunzipped first: records are read
+by offset).
+
+The import is all-or-nothing (one commit at the end); a bad record fails it with a line
+naming the tar and member, or with skip_bad is left out and listed in the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tarfile
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._util.sizes import parse_size
+from ..errors import ConfigError, InvalidValueError
+from .records import Bad, Loaded, check_common, decode_image, key_problem, write_records
+
+INSTALL_HINT = "pip install 'kvdata[images]'"
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "bmp", "gif", "webp", "ppm", "tif", "tiff"})
+INT_EXTENSIONS = frozenset({"cls", "cls2", "index"})
+TEXT_EXTENSIONS = frozenset({"txt", "text"})
+DEFAULT_MAX_MEMBER = "256MB"
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext
+_BLOCK = tarfile.BLOCKSIZE
+
+
+class Group(NamedTuple):
+    """One record to load: the tar, the key, and (field, data offset, size) of each member."""
+
+    tar: str
+    key: str
+    fields: tuple[tuple[str, int, int], ...]
+    where: str
+    decode: str
+
+
+class TarDamaged(InvalidValueError):
+    """The tar's structure cannot be trusted past some point (not one bad record)."""
+
+
+# ---------------------------------------------------------------- public entry point
+
+def import_wds(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike[str], *, decode: str = "none",
+               workers: int = 0, skip_bad: bool = False, max_member_size: int | str = DEFAULT_MAX_MEMBER,
+               shard_size: int | str | None = None, compress: bool = False,
+               progress: bool | None = None) -> dict[str, Any]:
+    """Import WebDataset tar shards (files, or directories whose *.tar files are taken in name
+    order) into `dataset`, one record per key group, in tar order. Returns the summary
+    (kvdata.importers.common.summary plus "bad": the records left out with skip_bad)."""
+    started = time.perf_counter()
+    check_common(decode, workers, shard_size, INSTALL_HINT)
+    limit = parse_size(max_member_size, "max_member_size")
+    tars = find_tars(sources)
+    groups: list[Group] = []
+    scan_bad: list[Bad] = []
+    ignored = 0
+    keys: dict[str, str] = {}
+    for tar in tars:
+        found, bad, skipped = scan_tar(tar, limit, decode)
+        ignored += skipped
+        for g in found:
+            if g.key in keys:
+                bad.append(Bad(g.key, g.where, f"key {g.key!r} appears twice (first in {keys[g.key]}); "
+                                              "WebDataset keys must be unique across shards"))
+                continue
+            keys[g.key] = g.where
+            groups.append(g)
+        if bad and not skip_bad:
+            raise InvalidValueError(f"{bad[0].where}: {bad[0].reason}; nothing was imported "
+                                    "(pass --skip-bad to leave such records out)")
+        scan_bad.extend(bad)
+    if not groups:
+        raise InvalidValueError(f"{', '.join(map(str, tars[:3]))}: no WebDataset records (key.ext members) found"
+                                f"{f' ({len(scan_bad)} bad)' if scan_bad else ''}; nothing was written")
+    return write_records(groups, load_group, dataset, total=len(groups), workers=workers, skip_bad=skip_bad,
+                         scan_bad=scan_bad, shard_size=shard_size, compress=compress, progress=progress,
+                         started=started, ignored=ignored)
+
+
+# ---------------------------------------------------------------- finding and scanning tars
+
+def find_tars(sources: list[str | os.PathLike[str]]) -> list[str]:
+    """The tar files named: files as given, directories' *.tar in name order."""
+    if not sources:
+        raise ConfigError("no source given; pass tar files or a directory of them")
+    tars: list[str] = []
+    for src in sources:
+        p = Path(src)
+        if p.is_dir():
+            found = sorted(str(c) for c in p.iterdir() if c.name.endswith(".tar") and c.is_file())
+            if not found:
+                raise ConfigError(f"{p}: no .tar files in this directory; pass the folder holding the shards")
+            tars.extend(found)
+        elif p.is_file():
+            tars.append(str(p))
+        else:
+            raise ConfigError(f"{p}: no such tar file or directory; check the path")
+    if len(set(tars)) != len(tars):
+        raise ConfigError("the same tar is named twice; name each shard once")
+    return tars
+
+
+def _member_problem(info: tarfile.TarInfo, limit: int, file_size: int) -> str | None:
+    """Why this member is not a readable regular file, or None."""
+    name = info.name
+    if "\x00" in name:
+        return "its name holds a NUL byte"
+    if name.startswith("/") or os.path.isabs(name):
+        return "its name is an absolute path"
+    if ".." in name.split("/"):
+        return "its name has a '..' component"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "its name is not UTF-8"
+    if info.issym() or info.islnk():
+        return f"it is a {'symbolic' if info.issym() else 'hard'} link (to {info.linkname!r}); links are not followed"
+    if info.issparse():
+        return "it is a sparse file; only plain regular files are read"
+    if not info.isreg():
+        return "it is not a regular file (device, FIFO or unknown type)"
+    if info.size > limit:
+        return f"it declares {info.size} bytes, over the {limit}-byte limit (raise --max-member-size)"
+    return None
+
+
+def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], list[Bad], int]:
+    """(record groups, bad records, members ignored) of one tar, from its headers only.
+
+    A damaged structure (not a tar, a header tarfile cannot read, data past the end of the
+    file) raises TarDamaged naming the tar and the last good member: what follows cannot
+    be trusted, so it is never a skippable bad record."""
+    try:
+        file_size = os.stat(tar).st_size
+        tf = tarfile.open(tar, "r:")
+    except tarfile.ReadError as e:
+        raise TarDamaged(f"{tar}: not an uncompressed tar ({e}); gunzip a .tar.gz first, or check the file") from None
+    groups: list[Group] = []
+    bad: list[Bad] = []
+    ignored = 0
+    last = "(the start)"
+    cur_key: str | None = None
+    cur_fields: list[tuple[str, int, int]] = []
+    cur_bad: str | None = None
+    cur_where = ""
+
+    def close_group() -> None:
+        if cur_key is None:
+            return
+        if cur_bad is not None:
+            bad.append(Bad(cur_key, cur_where, cur_bad))
+        else:
+            groups.append(Group(tar, cur_key, tuple(cur_fields), cur_where, decode))
+
+    try:
+        with tf:
+            while True:
+                try:
+                    info = tf.next()
+                except (tarfile.TarError, ValueError, UnicodeError, OverflowError) as e:
+                    raise TarDamaged(f"{tar}: unreadable tar header after member {last!r} ({e}); "
+                                     "the tar is damaged") from None
+                if info is None:
+                    break
+                name = info.name
+                where = f"{tar}: member {name!r}"
+                if info.isreg() and info.offset_data + info.size > file_size:
+                    raise TarDamaged(f"{where} declares {info.size} bytes but the file ends at byte {file_size}; "
+                                     "the tar is truncated or its header forged")
+                if info.isdir() and _member_problem(info, limit, file_size) is None:
+                    ignored += 1
+                    last = name
+                    continue
+                problem = _member_problem(info, limit, file_size)
+                m = _KEY_EXT.match(name) if "\x00" not in name else None
+                if m is None:
+                    if problem is not None:
+                        bad.append(Bad(name, where, problem))
+                    else:
+                        ignored += 1  # no extension: webdataset skips it too
+                    last = name
+                    continue
+                key, ext = m.group(1), m.group(2)
+                if key != cur_key:
+                    close_group()
+                    cur_key, cur_fields, cur_bad, cur_where = key, [], None, where
+                    kp = key_problem(key)
+                    if kp is not None:
+                        cur_bad = kp
+                if problem is None and any(f == ext for f, _, _ in cur_fields):
+                    problem = f"a second {ext!r} member for key {key!r}"
+                if problem is not None and cur_bad is None:
+                    cur_bad, cur_where = f"member {name!r}: {problem}", where
+                cur_fields.append((ext, info.offset_data, info.size))
+                last = name
+            close_group()
+            end = tf.offset
+    except OSError as e:
+        raise TarDamaged(f"{tar}: cannot read it after member {last!r} ({e.strerror or e})") from None
+    if end < file_size:  # tarfile stops quietly at a damaged header: only zero blocks may follow
+        with open(tar, "rb") as f:
+            f.seek(end)
+            rest = f.read(_BLOCK)
+        if rest.strip(b"\x00"):
+            raise TarDamaged(f"{tar}: unreadable tar header at byte {end}, after member {last!r}; the tar is damaged")
+    return groups, bad, ignored
+
+
+# ---------------------------------------------------------------- loading one record (runs in workers)
+
+def load_group(g: Group) -> list[Loaded | Bad]:
+    """The record of one group, or why it is bad (never raises for bad input)."""
+    value: dict[str, Any] = {}
+    label: int | None = None
+    try:
+        fd = os.open(g.tar, os.O_RDONLY)
+    except OSError as e:
+        return [Bad(g.key, g.where, f"cannot open the tar ({e.strerror})")]
+    try:
+        for ext, offset, size in g.fields:
+            data = os.pread(fd, size, offset) if size else b""
+            if len(data) != size:
+                return [Bad(g.key, g.where, f"field {ext!r}: the tar changed or shrank while importing")]
+            try:
+                value[ext] = _field_value(ext, data, g.decode)
+            except InvalidValueError as e:
+                return [Bad(g.key, g.where, f"field {ext!r} of key {g.key!r}: {e}")]
+    except OSError as e:
+        return [Bad(g.key, g.where, f"cannot read the tar ({e.strerror})")]
+    finally:
+        os.close(fd)
+    cls = value.get("cls")
+    if isinstance(cls, int):
+        label = cls
+    return [Loaded(g.key, value, label, g.where)]
+
+
+def _field_value(ext: str, data: bytes, decode: str) -> Any:
+    low = ext.lower()
+    last = low.rsplit(".", 1)[-1]
+    if last in IMAGE_EXTENSIONS and decode != "none":
+        return decode_image(data, decode)
+    if low in INT_EXTENSIONS:
+        try:
+            v = int(data.decode("ascii").strip())
+        except (UnicodeDecodeError, ValueError):
+            raise InvalidValueError(f"{data[:20]!r} is not an integer") from None
+        if not -(1 << 63) < v < (1 << 63):
+            raise InvalidValueError(f"{v} does not fit in int64")
+        return v
+    if low in TEXT_EXTENSIONS or low == "json":
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidValueError("the text is not UTF-8") from None
+        if low == "json":
+            try:
+                json.loads(text)
+            except ValueError as e:
+                raise InvalidValueError(f"not valid JSON ({e})") from None
+        return text
+    if low == "npy":
+        import io
+
+        try:
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        except Exception as e:  # ValueError, OSError, EOFError on damaged or pickled files
+            raise InvalidValueError(f"not a NumPy .npy array without pickles ({type(e).__name__}: {e})") from None
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "biufc":
+            raise InvalidValueError("a .npy field must hold a numeric array")
+        return np.ascontiguousarray(arr)
+    return data
