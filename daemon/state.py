@@ -140,6 +140,7 @@ class Service:
         self.started = time.time()
         self.requests = 0
         self.bad_requests = 0
+        self.closed_stall_seconds = 0.0  # stall reported by clients that have gone (a counter with the live ones)
         self.max_held_fds = 4096  # descriptors clients passed that the daemon keeps, over all connections
         self._proofs: OrderedDict[tuple[int, int], tuple[int, int, int, str, str]] = OrderedDict()
 
@@ -153,6 +154,8 @@ class Service:
         """Socket closed = every claim of that client released, every descriptor it passed closed."""
         with self._lock:
             st = self.clients.pop(cid, None)
+            if st is not None:
+                self.closed_stall_seconds += st.stall_seconds
         if st is not None:
             for r in st.readers:
                 self.engine.release(r)
@@ -425,8 +428,9 @@ class Service:
         self.engine.progress(reader, position)
         stall = msg.get("stall")
         if isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < 1e9:
-            with self._lock:
-                self._client(cid).stall_seconds = float(stall)
+            with self._lock:  # a client's stall only grows (it reports its total): keeps the sum a counter
+                c = self._client(cid)
+                c.stall_seconds = max(c.stall_seconds, float(stall))
         return {}
 
     def _catch_up(self, cid: int, value: Any) -> None:
@@ -591,10 +595,11 @@ class Service:
                 {"id": c.id, "pid": c.pid, "uid": c.peer.uid, "readers": len(c.readers), "stall_seconds": c.stall_seconds}
                 for c in self.clients.values() if peer.privileged or c.peer.uid == peer.uid]
             shown = [d for d in self.datasets.values() if peer.privileged or peer.uid in d.users]
+            stall_total = self.closed_stall_seconds + sum(c.stall_seconds for c in self.clients.values())
         modes = {m["key"]: m for m in st.pop("datasets", [])}
         datasets = []
         for d in shown:
-            row: dict[str, Any] = {"dataset": d.location, "generation": d.manifest.generation,
+            row: dict[str, Any] = {"dataset": d.location, "key": d.key, "generation": d.manifest.generation,
                                    "shards": len(d.manifest.shards)}
             m = modes.get(d.key)  # read by a client now: how (policy for unannounced orders)
             row.update({k: v for k, v in m.items() if k not in ("dataset", "key", "shards")} if m is not None
@@ -605,7 +610,8 @@ class Service:
         st.update({"pid": os.getpid(), "uptime_seconds": round(time.time() - self.started, 1),
                    "clients": clients, "connected_clients": len(clients), "datasets": datasets,
                    "queue_depth": st["in_flight"], "requests": self.requests, "bad_requests": self.bad_requests,
-                   "reader_stall_seconds": round(sum(c["stall_seconds"] for c in clients), 3)})
+                   "reader_stall_seconds": round(sum(c["stall_seconds"] for c in clients), 3),
+                   "reader_stall_seconds_total": round(stall_total, 3)})
         return st
 
     def reload(self, config: Config) -> dict[str, Any]:

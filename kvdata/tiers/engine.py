@@ -75,7 +75,8 @@ class Counters:
     private_copies: int = 0  # shards no tier had room for, fetched into a reader's own memory
     random_misses: int = 0   # shards of random-order datasets outside their resident sets, served unkept
     stall_seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # the last 20 messages
+    error_count: int = 0  # every error, for the daemon's kvdata_errors_total
 
 
 @dataclass
@@ -405,6 +406,7 @@ class Engine:
         if exc is not None and not isinstance(exc, (NoRoomError, StagingAbortedError, TierFailedError)):
             self.stats.errors.append(str(exc))
             del self.stats.errors[:-20]
+            self.count("error_count", 1)
         elif exc is None and self.prefetch and not self._closed:
             self._replan()  # after a failure, wait for the next progress/announce to plan again
 
@@ -560,6 +562,7 @@ class Engine:
             except Exception as e:  # keep planning; the reader path stages on demand anyway
                 self.stats.errors.append(f"planner: {e}")
                 del self.stats.errors[:-20]
+                self.count("error_count", 1)
 
     def _replan_once(self) -> None:
         with self._lock:
@@ -645,8 +648,8 @@ class Engine:
                 "hits": s.hits, "misses": s.misses, "hit_rate": s.hits / lookups if lookups else None,
                 "shards_staged": s.shards_staged, "bytes_staged": s.bytes_staged, "bytes_from_home": s.bytes_from_home,
                 "evictions": s.evictions, "home_reads": s.home_reads, "private_copies": s.private_copies,
-                "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight,
-                "readers": len(self._demands), "errors": list(s.errors)}
+                "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight, "workers": self._workers,
+                "readers": len(self._demands), "errors": list(s.errors), "error_count": s.error_count}
 
     def close(self, abort: bool = False) -> None:
         """Stop: queued jobs are dropped; running copies finish, or with abort=True stop at
