@@ -3,11 +3,11 @@
 WebDataset's grouping rule is kept: a member `dir/sample.seg.png` has key `dir/sample`
 (the name up to the first dot of its last component) and extension `seg.png`, and
 consecutive members with the same key form one sample. Each extension becomes a field
-named by it:
+named by it, typed by its last part (`seg.png` is an image):
 
 - images (.jpg .jpeg .png .bmp .gif .webp .ppm .tif .tiff): the file bytes, or with
   decode="rgb"/"gray" raw HWC uint8 pixels (as the folder importer stores them);
-- .cls .cls2 .index: the integer the text holds (.cls is also the index label);
+- .cls .cls2 .index: the integer the text holds (a `cls` field is also the index label);
 - .txt .text: str (UTF-8); .json: the JSON text as str, checked to parse;
 - .npy: the array (np.load without pickle);
 - anything else: bytes.
@@ -126,7 +126,7 @@ def find_tars(sources: list[str | os.PathLike[str]]) -> list[str]:
     return tars
 
 
-def _member_problem(info: tarfile.TarInfo, limit: int, file_size: int) -> str | None:
+def _member_problem(info: tarfile.TarInfo, limit: int) -> str | None:
     """Why this member is not a readable regular file, or None."""
     name = info.name
     if "\x00" in name:
@@ -189,15 +189,17 @@ def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], l
                 if info is None:
                     break
                 name = info.name
-                where = f"{tar}: member {name!r}"
+                while name.startswith("./"):  # `tar cf x.tar ./a.jpg` names members ./a.jpg
+                    name = name[2:]
+                where = f"{tar}: member {info.name!r}"
                 if info.isreg() and info.offset_data + info.size > file_size:
                     raise TarDamaged(f"{where} declares {info.size} bytes but the file ends at byte {file_size}; "
                                      "the tar is truncated or its header forged")
-                if info.isdir() and _member_problem(info, limit, file_size) is None:
+                if info.isdir():  # nothing is created from a tar, so a directory entry is just skipped
                     ignored += 1
                     last = name
                     continue
-                problem = _member_problem(info, limit, file_size)
+                problem = _member_problem(info, limit)
                 m = _KEY_EXT.match(name) if "\x00" not in name else None
                 if m is None:
                     if problem is not None:
@@ -262,9 +264,8 @@ def load_group(g: Group) -> list[Loaded | Bad]:
 
 
 def _field_value(ext: str, data: bytes, decode: str) -> Any:
-    low = ext.lower()
-    last = low.rsplit(".", 1)[-1]
-    if last in IMAGE_EXTENSIONS and decode != "none":
+    low = ext.lower().rsplit(".", 1)[-1]  # "seg.png" is a png (webdataset decodes by the last part too)
+    if low in IMAGE_EXTENSIONS and decode != "none":
         return decode_image(data, decode)
     if low in INT_EXTENSIONS:
         try:

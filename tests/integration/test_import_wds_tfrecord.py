@@ -311,3 +311,15 @@ def test_damaged_tfrecords_are_refused_naming_file_and_record(tmp_path, cli):
 
         import_tfrecord([data_bad], tmp_path / "ds3", key_feature="nope", skip_bad=False)
     assert not (tmp_path / "ds3").exists()
+
+
+def test_dot_slash_names_and_directories_group_as_webdataset_does(tmp_path):
+    from kvdata.importers.wds import import_wds
+
+    d = tarfile.TarInfo("./d")
+    d.type = tarfile.DIRTYPE
+    tar = _tar(tmp_path / "s.tar", [(d, None), _reg("./d/a.seg.txt", b"x"), _reg("./d/a.cls", b" 7\n"),
+                                    _reg("./d/README", b"no extension")])
+    out = import_wds([tar], tmp_path / "ds")
+    assert out["imported"] == 1 and out["skipped"] == 2  # the directory and the member without an extension
+    assert _read_all(tmp_path / "ds") == {"d/a": {"seg.txt": "x", "cls": 7}}
