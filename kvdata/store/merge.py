@@ -52,7 +52,7 @@ from . import index as ix
 from .generation import Generation, load_generation
 from .lock import WriterLock
 from .reader import Reader
-from .shards import NO_LINK_ERRNOS
+from .shards import ENVS, NO_LINK_ERRNOS, open_sealed_lmdb
 
 STAGING = ".kvdata-merge.tmp"  # the merge's own staging directory under the destination
 GENERATION = 1                 # the merged dataset's first generation
@@ -91,22 +91,35 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
     roots = [Path(p) for p in parts]
     dest_root = Path(dest)
     _check_paths(roots, dest_root)
-    sealed = [str(r) for r in roots if _tail_records(r, seal)]
+    loaded = _load(roots)
+    _check(loaded)  # before a seal writes anything: refusals leave the parts as they were
+    tails = [p for p in loaded if p.m.tail.records]
+    if tails and not seal:
+        p = tails[0]
+        raise KVDataError(f"{p.root}: {p.m.tail.records} record(s) are in its open tail, which merge cannot share; "
+                          f"seal it first with `kvdata seal {p.root}`, or pass --seal (seal=True)")
+    for p in tails:
+        _seal(p.root)
     locks: list[WriterLock] = []
     try:
         if move:  # the parts' files go once dest is committed: no writer may be in them meanwhile
             for r in roots:
                 locks.append(WriterLock(r))
-        summary = _merge(roots, dest_root, move, progress)
+        if tails or move:
+            loaded = _load(roots)  # what was sealed, or committed before the locks were taken
+        summary = _write(loaded, dest_root, *_check(loaded), progress)
+        if move:
+            summary["left_in_parts"] = {str(p.root): left for p in loaded if (left := _remove_part(p))}
     finally:
         for lock in locks:
             lock.release()
-    summary.update({"parts": [str(r) for r in roots], "sealed_parts": sealed, "moved": move,
+    summary.update({"parts": [str(r) for r in roots], "sealed_parts": [str(p.root) for p in tails], "moved": move,
                     "seconds": round(time.monotonic() - t0, 3)})
     return summary
 
 
-def _merge(roots: list[Path], dest_root: Path, move: bool, progress: bool | None) -> dict[str, Any]:
+def _load(roots: list[Path]) -> list[_Part]:
+    """Each part's current generation, with where its shards and samples go in the merge."""
     loaded: list[_Part] = []
     shard_base = sample_base = 0
     for r in roots:
@@ -114,18 +127,24 @@ def _merge(roots: list[Path], dest_root: Path, move: bool, progress: bool | None
         loaded.append(_Part(r, gen, shard_base, sample_base))
         shard_base += len(gen.manifest.shards)
         sample_base += gen.manifest.count
+    return loaded
+
+
+def _check(loaded: list[_Part]) -> tuple[np.ndarray, tuple[str, ...], dict[str, dict[str, Any]], dict[str, Any]]:
+    """Everything that refuses a merge, before anything is written: (key hashes in merged sample
+    order, classes, field schema, manifest extras the parts agree on)."""
     classes = _merge_classes(loaded)
     fields: dict[str, dict[str, Any]] = {}
     for p in loaded:
         fields = fmt.merge_schema(fields, p.m.fields)
+    first = loaded[0].m.extra
+    extra = {k: v for k, v in first.items() if all(p.m.extra.get(k) == v for p in loaded)}
     hashes = np.concatenate([_key_hashes(p) for p in loaded])
     _refuse_duplicates(loaded, hashes)
+    _refuse_deleted_later(loaded, hashes)
     for p in loaded:
         _check_shard_files(p)
-    summary = _write(loaded, dest_root, hashes, classes, fields, progress)
-    if move:
-        summary["left_in_parts"] = {str(p.root): left for p in loaded if (left := _remove_part(p))}
-    return summary
+    return hashes, classes, fields, extra
 
 
 # ---------------------------------------------------------------- checks (nothing written yet)
@@ -172,20 +191,13 @@ def _check_dest(dest: Path) -> None:
                                "or an empty directory")
 
 
-def _tail_records(root: Path, seal: bool) -> int:
-    """Records in a part's open tail; with `seal`, sealed first (a commit of that part)."""
-    gen = load_generation(root)
-    n = gen.manifest.tail.records
-    if n and seal:
-        from .facade import Store
+def _seal(root: Path) -> None:
+    """Seal a part's open tail: a normal commit of that part (as `kvdata seal` does)."""
+    from .facade import Store
 
-        with Store(root, "a") as store:
-            store.seal()
-            store.commit()
-    elif n:
-        raise KVDataError(f"{root}: {n} record(s) are in its open tail, which merge cannot share; "
-                          f"seal it first with `kvdata seal {root}`, or pass --seal (seal=True)")
-    return n
+    with Store(root, "a") as store:
+        store.seal()
+        store.commit()
 
 
 def _merge_classes(parts: list[_Part]) -> tuple[str, ...]:
@@ -255,6 +267,63 @@ def _key_at(parts: list[_Part], starts: np.ndarray, readers: dict[int, Reader], 
     return str(readers[i].metas([pos - parts[i].sample_base])[0][1].get("k")), i
 
 
+def _refuse_deleted_later(parts: list[_Part], hashes: np.ndarray) -> None:
+    """InvalidKeyError if a key live in one part has a tombstone (a delete) in a later part.
+
+    The merged dataset reads right, but `kvdata reindex` replays records in shard order and
+    the later delete would drop the earlier part's record; the fix is to name that part first."""
+    found: list[tuple[str, Path, Path]] = []
+    readers: dict[int, Reader] = {}
+    starts = np.array([p.sample_base for p in parts], dtype=np.int64)
+    try:
+        for p in parts:
+            if p.sample_base == 0:
+                continue  # nothing before it
+            keys = _tombstone_keys(p)
+            if not keys:
+                continue
+            th = np.array([fmt.key_hash(k.encode("utf-8")) for k in keys], dtype=np.uint64)  # deletes are few
+            earlier = hashes[:p.sample_base]
+            for k, h in zip(keys, th):
+                for pos in np.nonzero(earlier == h)[0].tolist():
+                    live, i = _key_at(parts, starts, readers, pos)
+                    if live == k:
+                        found.append((k, parts[i].root, p.root))
+                if len(found) >= SHOW_DUPLICATES:
+                    break
+    finally:
+        for r in readers.values():
+            r.close()
+    if found:
+        shown = "; ".join(f"{k!r} is in {a} and deleted in {b}" for k, a, b in found[:SHOW_DUPLICATES])
+        raise InvalidKeyError(f"keys deleted in a later part: {shown}; `kvdata reindex` of the merged dataset would "
+                              f"drop them; give {found[0][2]} before {found[0][1]}; nothing was written")
+
+
+def _tombstone_keys(p: _Part) -> list[str]:
+    """Keys of the tombstones (deletes) in a part's sealed shards, read through LMDB."""
+    idx = p.gen.index
+    rows = np.nonzero((np.asarray(idx.records["head_kind"]) >> fmt.KIND_SHIFT) == fmt.KIND_TOMBSTONE)[0]
+    if not len(rows):
+        return []
+    shard = np.searchsorted(idx.base, rows, "right") - 1
+    slot = rows - idx.base[shard]
+    keys: list[str] = []
+    for s in np.unique(shard).tolist():
+        env = open_sealed_lmdb(p.gen.shard_path(p.m.shards[s]))
+        try:
+            with ENVS.read(env) as txn:
+                for sl in slot[shard == s].tolist():
+                    v = txn.get(fmt.slot_key(int(sl)))
+                    if v is None:
+                        raise CorruptDatasetError(f"{p.gen.shard_path(p.m.shards[s])}: slot {sl} is missing; "
+                                                  f"run `kvdata verify {p.root}`")
+                    keys.append(str(fmt.RecordHeader(v).meta(v).get("k")))
+        finally:
+            ENVS.release(env)
+    return keys
+
+
 def _check_shard_files(p: _Part) -> None:
     """Every shard (and cold copy) the part names is a regular file of the recorded size."""
     for e in p.m.shards:
@@ -275,7 +344,7 @@ def _check_shard_files(p: _Part) -> None:
 
 
 def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, classes: tuple[str, ...],
-           fields: dict[str, dict[str, Any]], progress: bool | None) -> dict[str, Any]:
+           fields: dict[str, dict[str, Any]], extra: dict[str, Any], progress: bool | None) -> dict[str, Any]:
     created = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     try:
@@ -293,7 +362,7 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, classes: tuple[st
         (stage / names.SHARDS_DIR).mkdir(parents=True)
         (stage / names.INDEX_DIR).mkdir()
         linked, copied, entries = _place_shards(parts, stage / names.SHARDS_DIR, progress)
-        manifest = _write_index(parts, stage, hashes, entries, classes, fields)
+        manifest = _write_index(parts, stage, hashes, entries, classes, fields, extra)
         atomic_write(stage / names.MANIFEST, fmt.dump_manifest(manifest))
         fsync_dir(stage)
         # the commit: shards and index into place, the manifest last
@@ -384,7 +453,7 @@ def _copy_checked(src: Path, dst: Path, size: int, sha256: str) -> None:
 
 
 def _write_index(parts: list[_Part], stage: Path, hashes: np.ndarray, entries: list[ShardEntry],
-                 classes: tuple[str, ...], fields: dict[str, dict[str, Any]]) -> Manifest:
+                 classes: tuple[str, ...], fields: dict[str, dict[str, Any]], extra: dict[str, Any]) -> Manifest:
     """The merged side-index (records concatenated, samples with shard ids moved by each part's
     shard base, one key run of every key) and its manifest; nothing is named by a manifest yet."""
     index_dir = stage / names.INDEX_DIR
@@ -413,7 +482,7 @@ def _write_index(parts: list[_Part], stage: Path, hashes: np.ndarray, entries: l
                     shards=tuple(entries), tail=TailEntry(n, names.tail_name(n), 0),
                     index=IndexFiles(samples_name if count else None, records_name if records_count else None,
                                      records_count, runs),
-                    fields=fields, classes=classes)
+                    fields=fields, classes=classes, extra=extra)
 
 
 # ---------------------------------------------------------------- --move

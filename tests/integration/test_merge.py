@@ -208,6 +208,52 @@ def test_part_with_an_open_tail_is_refused_or_sealed(parts: list[Path], tmp_path
     assert verify(out, progress=False)["ok"] and verify(tailed, progress=False)["ok"]
 
 
+def test_a_refused_merge_seals_nothing(parts: list[Path], tmp_path: Path) -> None:
+    tailed = tmp_path / "tailed.kv"
+    _write(tailed, [("t/1", b"one", 1), ("part0/00003", b"dup", None)], seal=False)
+    before = _snapshot(tailed)
+    with pytest.raises(InvalidKeyError, match="part0/00003"):
+        merge([parts[0], tailed], tmp_path / "out.kv", seal=True)
+    assert _snapshot(tailed) == before and _manifest(tailed).tail.records == 2
+
+
+def test_a_key_deleted_in_a_later_part_is_refused_reindex_would_drop_it(tmp_path: Path) -> None:
+    """A later part's delete of a key an earlier part holds: reindex replays shards in order and
+    would delete it, so that order is refused; the other order is the same data, and is fine."""
+    live, deleted = tmp_path / "live.kv", tmp_path / "deleted.kv"
+    _write(live, [("a", b"A", 0), ("shared", b"kept", 1)])
+    with kvdata.open(deleted, "a") as s:
+        s.put("b", b"B", label=2)
+        s.put("shared", b"old")
+        s.commit()
+        s.delete("shared")
+        s.seal()
+        s.commit()
+    with pytest.raises(InvalidKeyError, match=f"'shared' is in {live} and deleted in {deleted}"):
+        merge([live, deleted], tmp_path / "out.kv")
+    assert not (tmp_path / "out.kv").exists()
+    out = tmp_path / "ok.kv"
+    merge([deleted, live], out)
+    with kvdata.open(out) as m:
+        assert list(m.keys()) == ["b", "a", "shared"] and bytes(m["shared"]) == b"kept"
+    shutil.rmtree(out / names.INDEX_DIR)
+    (out / names.INDEX_DIR).mkdir()
+    kvdata_cli(tmp_path, "reindex", out)
+    with kvdata.open(out) as m:
+        assert list(m.keys()) == ["b", "a", "shared"] and bytes(m["shared"]) == b"kept"
+
+
+def test_extras_the_parts_agree_on_are_kept(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.kv", tmp_path / "b.kv"
+    for p, n in ((a, 1), (b, 2)):
+        with kvdata.open(p, "w") as s:
+            s.put(f"k{n}", b"v")
+            s.set_extra("source", {"importer": "folder"})
+            s.set_extra("part", n)
+    merge([a, b], tmp_path / "out.kv", seal=True)  # a small "w" dataset keeps its tail: sealed here
+    assert _manifest(tmp_path / "out.kv").extra == {"source": {"importer": "folder"}}
+
+
 def test_classes_that_disagree_are_refused_a_prefix_is_not(parts: list[Path], tmp_path: Path) -> None:
     other = tmp_path / "other.kv"
     _write(other, [("o/1", b"1", 0)], classes=["cat", "cow"])
@@ -339,8 +385,10 @@ def test_sigkill_during_merge_leaves_no_dataset_or_a_complete_one(parts: list[Pa
             store = kvdata.open(dest)
         except (NotADatasetError, CorruptDatasetError):
             seen["staged"] += 1
-            if (dest / names.SHARDS_DIR).exists():
-                continue  # killed between the commit's renames: every shard is there (reindex)
+            if (dest / names.SHARDS_DIR).exists():  # killed between the commit's renames:
+                staged = json.loads((dest / STAGING / names.MANIFEST).read_text())  # every shard is there
+                assert all((dest / names.SHARDS_DIR / e["name"]).is_file() for e in staged["shards"])
+                continue
             assert set(os.listdir(dest)) <= {names.LOCK, STAGING}
             assert merge(args, dest)["samples"] == expect  # a new merge clears what the killed one left
         else:
