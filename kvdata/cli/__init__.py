@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from ..errors import KVDataError
-from . import cache, data, imports, imports_formats, merge  # noqa: F401 (imports_formats adds `import wds|tfrecord`)
+from . import cache, data, imports, imports_arrow, imports_formats, merge  # noqa: F401 (imports_arrow, imports_formats: more `import` kinds)
 from .output import error, fail
 
 __all__ = ["main"]
