@@ -170,18 +170,23 @@ def exchange_rate(nodes: int, exchange: float) -> int:
     return max(1, min(_PHASE, round(exchange * nodes / (nodes - 1) * _PHASE)))
 
 
-def _balanced_split(counts: np.ndarray, nodes: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """A random order of the shards (positions into counts) and the node of each, in
-    contiguous runs of about equal sample count (each node within one shard of its share)."""
-    p = rng.permutation(len(counts))
-    c = counts[p]
-    total = int(c.sum())
-    if total == 0:
-        return p, np.zeros(len(p), dtype=np.int64)
-    mid2 = 2 * np.cumsum(c) - c                       # twice each shard's midpoint, integer
-    chunk = np.minimum(mid2 * nodes // (2 * total), nodes - 1)
-    rot = int(rng.integers(nodes))                    # which node gets which run, so rounding does not always favour node 0
-    return p, (chunk + rot) % nodes
+def _striped_split(counts: np.ndarray, nodes: int, rng: np.random.Generator) -> np.ndarray:
+    """The node of each shard of a group (given in the order they will leave it again),
+    balanced by sample count in every prefix of that order, not just overall.
+
+    The cumulative sample counts are cut into stripes of the mean shard count; each run of
+    `nodes` stripes (from a random offset) goes to the nodes in a random permutation. A
+    group's shards leave it (are re-drawn) first to last, so what is left of it stays
+    spread evenly over the nodes: the partition stays balanced while groups dissolve.
+    """
+    g = len(counts)
+    total = int(counts.sum())
+    if g == 0 or total == 0:
+        return np.zeros(g, dtype=np.int64)
+    mid2 = 2 * np.cumsum(counts) - counts                       # twice each shard's midpoint, integer
+    stripe = np.minimum(mid2 * g // (2 * total), g - 1) + int(rng.integers(nodes))
+    blocks = rng.permuted(np.tile(np.arange(nodes, dtype=np.int64), (int(stripe[-1]) // nodes + 1, 1)), axis=1)
+    return blocks[stripe // nodes, stripe % nodes]
 
 
 def node_of_shards(groups: ShardGroups, seed: int, epoch: int, nodes: int, exchange: float) -> np.ndarray:
@@ -206,8 +211,9 @@ def node_of_shards(groups: ShardGroups, seed: int, epoch: int, nodes: int, excha
             group = np.arange(k)
         else:
             group = np.flatnonzero((e_last * rate + phase) // _PHASE != ((e_last - 1) * rate + phase) // _PHASE)
-        p, node = _balanced_split(groups.counts[group], nodes, _seeded(seed, _SALT_GROUP, nodes, rate, e_last))
-        drawn[group[p]] = node
+        # in the order the group's shards will be re-drawn again (the furthest into their era first)
+        group = group[np.argsort(-((e_last * rate + phase[group]) % _PHASE), kind="stable")]
+        drawn[group] = _striped_split(groups.counts[group], nodes, _seeded(seed, _SALT_GROUP, nodes, rate, e_last))
         members = last == e_last
         out[members] = drawn[members]
     return out

@@ -95,8 +95,8 @@ def test_a_node_reads_its_own_shards() -> None:
             mine = np.concatenate([shares[2 * j], shares[2 * j + 1]])
             own = part[ds.sample_shards[mine]] == j
             assert own.mean() >= 0.9, (e, j, own.mean())
-        sizes = np.bincount(part, minlength=4)                   # about equal parts: within 3 shards of 64
-        assert sizes.sum() == 256 and np.abs(sizes - 64).max() <= 3, sizes
+        sizes = np.bincount(part, minlength=4)                   # about equal parts: within 6 shards of 64
+        assert sizes.sum() == 256 and np.abs(sizes - 64).max() <= 6, sizes
 
 
 def test_nodes_1_is_the_default_order() -> None:
@@ -163,7 +163,7 @@ def test_the_sampler_moves_about_exchange_of_a_nodes_shards() -> None:
     assert float(np.mean(new)) > 0.6                          # the global order: most shards are new
 
 
-@pytest.mark.parametrize("exchange,epochs", [(0.1, 400), (0.3, 120)])
+@pytest.mark.parametrize("exchange,epochs", [(0.1, 500), (0.3, 300), (1.0, 150)])
 def test_every_pair_of_shards_meets_on_a_node(exchange, epochs) -> None:
     k, nodes = 40, 4
     g = om.group_by_shard(np.repeat(np.arange(k), 5))
