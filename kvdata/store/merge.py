@@ -92,7 +92,7 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
     dest_root = Path(dest)
     _check_paths(roots, dest_root)
     loaded = _load(roots)
-    _check(loaded)  # before a seal writes anything: refusals leave the parts as they were
+    checked = _check(loaded)  # before a seal writes anything: refusals leave the parts as they were
     tails = [p for p in loaded if p.m.tail.records]
     if tails and not seal:
         p = tails[0]
@@ -107,7 +107,8 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
                 locks.append(WriterLock(r))
         if tails or move:
             loaded = _load(roots)  # what was sealed, or committed before the locks were taken
-        summary = _write(loaded, dest_root, *_check(loaded), progress)
+            checked = _check(loaded)
+        summary = _write(loaded, dest_root, *checked, progress)
         if move:
             summary["left_in_parts"] = {str(p.root): left for p in loaded if (left := _remove_part(p))}
     finally:
@@ -130,9 +131,10 @@ def _load(roots: list[Path]) -> list[_Part]:
     return loaded
 
 
-def _check(loaded: list[_Part]) -> tuple[np.ndarray, tuple[str, ...], dict[str, dict[str, Any]], dict[str, Any]]:
+def _check(loaded: list[_Part]) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], dict[str, dict[str, Any]],
+                                         dict[str, Any]]:
     """Everything that refuses a merge, before anything is written: (key hashes in merged sample
-    order, classes, field schema, manifest extras the parts agree on)."""
+    order, the positions that sort them, classes, field schema, manifest extras the parts agree on)."""
     classes = _merge_classes(loaded)
     fields: dict[str, dict[str, Any]] = {}
     for p in loaded:
@@ -140,11 +142,12 @@ def _check(loaded: list[_Part]) -> tuple[np.ndarray, tuple[str, ...], dict[str, 
     first = loaded[0].m.extra
     extra = {k: v for k, v in first.items() if all(p.m.extra.get(k) == v for p in loaded)}
     hashes = np.concatenate([_key_hashes(p) for p in loaded])
-    _refuse_duplicates(loaded, hashes)
-    _refuse_deleted_later(loaded, hashes)
+    order = np.argsort(hashes, kind="stable")  # once: the duplicate checks and the key run use it
+    _refuse_duplicates(loaded, hashes, order)
+    _refuse_deleted_later(loaded, hashes, order)
     for p in loaded:
         _check_shard_files(p)
-    return hashes, classes, fields, extra
+    return hashes, order, classes, fields, extra
 
 
 # ---------------------------------------------------------------- checks (nothing written yet)
@@ -226,12 +229,11 @@ def _key_hashes(p: _Part) -> np.ndarray:
     return ix.all_key_hashes(p.gen.index)
 
 
-def _refuse_duplicates(parts: list[_Part], hashes: np.ndarray) -> None:
+def _refuse_duplicates(parts: list[_Part], hashes: np.ndarray, order: np.ndarray) -> None:
     """InvalidKeyError naming keys that are in more than one part (hash matches are confirmed by
     comparing the keys themselves, so a hash collision is never called a duplicate)."""
     if len(hashes) < 2:
         return
-    order = np.argsort(hashes, kind="stable")
     sh = hashes[order]
     same = np.nonzero(sh[1:] == sh[:-1])[0]
     if not len(same):
@@ -267,7 +269,7 @@ def _key_at(parts: list[_Part], starts: np.ndarray, readers: dict[int, Reader], 
     return str(readers[i].metas([pos - parts[i].sample_base])[0][1].get("k")), i
 
 
-def _refuse_deleted_later(parts: list[_Part], hashes: np.ndarray) -> None:
+def _refuse_deleted_later(parts: list[_Part], hashes: np.ndarray, order: np.ndarray) -> None:
     """InvalidKeyError if a key live in one part has a tombstone (a delete) in a later part.
 
     The merged dataset reads right, but `kvdata reindex` replays records in shard order and
@@ -275,6 +277,7 @@ def _refuse_deleted_later(parts: list[_Part], hashes: np.ndarray) -> None:
     found: list[tuple[str, Path, Path]] = []
     readers: dict[int, Reader] = {}
     starts = np.array([p.sample_base for p in parts], dtype=np.int64)
+    sh = hashes[order]
     try:
         for p in parts:
             if p.sample_base == 0:
@@ -283,9 +286,11 @@ def _refuse_deleted_later(parts: list[_Part], hashes: np.ndarray) -> None:
             if not keys:
                 continue
             th = np.array([fmt.key_hash(k.encode("utf-8")) for k in keys], dtype=np.uint64)  # deletes are few
-            earlier = hashes[:p.sample_base]
-            for k, h in zip(keys, th):
-                for pos in np.nonzero(earlier == h)[0].tolist():
+            lo, hi = np.searchsorted(sh, th, "left"), np.searchsorted(sh, th, "right")
+            for k, a, b in zip(keys, lo.tolist(), hi.tolist()):
+                for pos in order[a:b].tolist():
+                    if pos >= p.sample_base:
+                        continue  # only parts before this one
                     live, i = _key_at(parts, starts, readers, pos)
                     if live == k:
                         found.append((k, parts[i].root, p.root))
@@ -343,7 +348,7 @@ def _check_shard_files(p: _Part) -> None:
 # ---------------------------------------------------------------- writing
 
 
-def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, classes: tuple[str, ...],
+def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray, classes: tuple[str, ...],
            fields: dict[str, dict[str, Any]], extra: dict[str, Any], progress: bool | None) -> dict[str, Any]:
     created = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
@@ -362,7 +367,7 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, classes: tuple[st
         (stage / names.SHARDS_DIR).mkdir(parents=True)
         (stage / names.INDEX_DIR).mkdir()
         linked, copied, entries = _place_shards(parts, stage / names.SHARDS_DIR, progress)
-        manifest = _write_index(parts, stage, hashes, entries, classes, fields, extra)
+        manifest = _write_index(parts, stage, hashes[order], order, entries, classes, fields, extra)
         atomic_write(stage / names.MANIFEST, fmt.dump_manifest(manifest))
         fsync_dir(stage)
         # the commit: shards and index into place, the manifest last
@@ -452,28 +457,32 @@ def _copy_checked(src: Path, dst: Path, size: int, sha256: str) -> None:
                                   f"run `kvdata verify {src.parent.parent}` and restore the shard")
 
 
-def _write_index(parts: list[_Part], stage: Path, hashes: np.ndarray, entries: list[ShardEntry],
+def _write_index(parts: list[_Part], stage: Path, sorted_hashes: np.ndarray, order: np.ndarray,
+                 entries: list[ShardEntry],
                  classes: tuple[str, ...], fields: dict[str, dict[str, Any]], extra: dict[str, Any]) -> Manifest:
     """The merged side-index (records concatenated, samples with shard ids moved by each part's
     shard base, one key run of every key) and its manifest; nothing is named by a manifest yet."""
     index_dir = stage / names.INDEX_DIR
     samples_name, records_name = names.samples_name(GENERATION), names.records_name(GENERATION)
-    count = records_count = 0
+    samples = np.concatenate([p.gen.index.samples for p in parts])  # one file each, one fsync
+    records = np.concatenate([p.gen.index.records for p in parts])
+    start = 0
     for p in parts:
-        idx = p.gen.index
-        rows = np.array(idx.samples)
+        rows = samples[start:start + p.m.count]
         if len(rows) and int(rows["shard"].max()) >= len(p.m.shards):
             raise CorruptDatasetError(f"{p.root}: a sample points into its open tail; seal it first with "
                                       f"`kvdata seal {p.root}`")
         rows["shard"] += np.uint32(p.shard_base)
-        ix.append_rows(index_dir / samples_name, count, rows)
-        ix.append_rows(index_dir / records_name, records_count, np.asarray(idx.records))
-        count += len(rows)
-        records_count += len(idx.records)
+        start += p.m.count
+    count, records_count = len(samples), len(records)
+    if count:
+        ix.write_new(index_dir / samples_name, samples)
+    if records_count:
+        ix.write_new(index_dir / records_name, records)
     runs: tuple[KeyRunEntry, ...] = ()
     if count:
         run = names.keys_name(GENERATION, 0)
-        ix.write_key_run(index_dir / run, hashes, np.arange(count, dtype=np.uint64))
+        ix.write_key_run(index_dir / run, sorted_hashes, order.astype(np.uint64))  # already sorted: O(n)
         runs = (KeyRunEntry(run, count),)
     fsync_dir(index_dir)
     first = parts[0].m
