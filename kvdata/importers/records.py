@@ -11,6 +11,7 @@ writer and commits once at the end, so an import is all-or-nothing.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
 import os
@@ -97,6 +98,23 @@ def make_pool(workers: int) -> Any:
     return ctx.Pool(workers)
 
 
+@contextlib.contextmanager
+def worker_pool(workers: int) -> Iterator[Any]:
+    """make_pool's pool for the whole import (scan and load), terminated at the end."""
+    pool = make_pool(int(workers))
+    try:
+        yield pool
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+
+def map_ordered(pool: Any, fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
+    """fn over items, in order: in the pool's processes (one item each) or in-process."""
+    return map(fn, items) if pool is None else pool.imap(fn, items, chunksize=1)
+
+
 def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], pool: Any,
             workers: int) -> Iterator[Loaded | Bad]:
     """Results in task order (ordered imap: the dataset does not depend on the worker count)."""
@@ -109,9 +127,10 @@ def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], poo
 
 
 def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], dataset: str | os.PathLike[str], *,
-                  total: int, workers: int, skip_bad: bool, scan_bad: list[Bad], shard_size: int | str | None,
+                  total: int, pool: Any, workers: int, skip_bad: bool, scan_bad: list[Bad], shard_size: int | str | None,
                   compress: bool, progress: bool | None, started: float, ignored: int = 0) -> dict[str, Any]:
-    """Put every record the tasks load, in order, and commit once; return the summary.
+    """Put every record the tasks load (in `pool`, from worker_pool, made before the dataset
+    opens), in order, and commit once; return the summary.
 
     A Bad result (or a key seen twice) fails the import with its reason unless skip_bad,
     in which case it is counted in "skipped" and listed in "bad" (up to MAX_BAD_LISTED).
@@ -121,7 +140,6 @@ def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], d
     seen: dict[str, str] = {}
     labels: set[int] = set()
     n = 0
-    pool = make_pool(int(workers))
     bar = None
     try:
         bar = make_progress(total=total, label="import", enabled=progress)
@@ -150,13 +168,21 @@ def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], d
     finally:
         if bar is not None:
             bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
     out = summary(dataset, n, len(bad) + ignored, len(labels), started)
     out["bad"] = [{"key": b.key, "where": b.where, "error": b.reason} for b in bad[:MAX_BAD_LISTED]]
     out["records_per_s"] = round(n / max(time.perf_counter() - started, 1e-9), 1)
     return out
+
+
+def open_same(path: str, ident: tuple[int, int]) -> int:
+    """A read-only fd of `path` if it is still the file the scan read ((st_dev, st_ino)
+    `ident`), so offsets found by the scan are never applied to a file put there since."""
+    fd = os.open(path, os.O_RDONLY)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != ident:
+        os.close(fd)
+        raise InvalidValueError("the file was replaced while importing; import it again")
+    return fd
 
 
 def key_problem(key: str) -> str | None:

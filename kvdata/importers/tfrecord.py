@@ -38,7 +38,7 @@ import numpy as np
 
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidValueError
-from .records import Bad, Loaded, check_common, decode_image, key_problem, looks_like_image, write_records
+from .records import Bad, Loaded, check_common, decode_image, key_problem, looks_like_image, open_same, worker_pool, write_records
 
 INSTALL_HINT = "pip install 'kvdata[tfrecord]'"
 DEFAULT_MAX_RECORD = "256MB"
@@ -147,6 +147,7 @@ class Task(NamedTuple):
     records: tuple[tuple[int, int, int], ...]
     decode: str
     key_feature: str | None
+    ident: tuple[int, int]  # (st_dev, st_ino) of the file the scan read
 
 
 def import_tfrecord(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike[str], *,
@@ -170,19 +171,20 @@ def import_tfrecord(sources: list[str | os.PathLike[str]], dataset: str | os.Pat
     scan_bad: list[Bad] = []
     total = 0
     for path in files:
-        frames, bad = scan_file(path, limit)
+        frames, bad, ident = scan_file(path, limit)
         if bad and not skip_bad:
             raise InvalidValueError(f"{bad[0].where}: {bad[0].reason}; nothing was imported "
                                     "(pass --skip-bad to leave such records out)")
         scan_bad.extend(bad)
         total += len(frames)
         for i in range(0, len(frames), RECORDS_PER_TASK):
-            tasks.append(Task(path, tuple(frames[i:i + RECORDS_PER_TASK]), decode, key_feature))
+            tasks.append(Task(path, tuple(frames[i:i + RECORDS_PER_TASK]), decode, key_feature, ident))
     if total == 0:
         raise InvalidValueError(f"{', '.join(files[:3])}: no TFRecord records found; nothing was written")
-    return write_records(tasks, load_task, dataset, total=total, workers=workers, skip_bad=skip_bad,
-                         scan_bad=scan_bad, shard_size=shard_size, compress=compress, progress=progress,
-                         started=started)
+    with worker_pool(workers) as pool:
+        return write_records(tasks, load_task, dataset, total=total, pool=pool, workers=workers, skip_bad=skip_bad,
+                             scan_bad=scan_bad, shard_size=shard_size, compress=compress, progress=progress,
+                             started=started)
 
 
 def find_files(sources: list[str | os.PathLike[str]]) -> list[str]:
@@ -207,15 +209,16 @@ def find_files(sources: list[str | os.PathLike[str]]) -> list[str]:
     return files
 
 
-def scan_file(path: str, limit: int) -> tuple[list[tuple[int, int, int]], list[Bad]]:
+def scan_file(path: str, limit: int) -> tuple[list[tuple[int, int, int]], list[Bad], tuple[int, int]]:
     """(record number, data offset, length) of every frame, from the headers alone; the
     length CRCs are checked here. Framing that cannot be trusted raises InvalidValueError
     naming the file and record; a record over `limit` bytes is a Bad record."""
     frames: list[tuple[int, int, int]] = []
     bad: list[Bad] = []
     try:
-        size = os.stat(path).st_size
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            size, ident = st.st_size, (st.st_dev, st.st_ino)
             offset = 0
             n = 0
             while offset < size:
@@ -242,7 +245,7 @@ def scan_file(path: str, limit: int) -> tuple[list[tuple[int, int, int]], list[B
                 n += 1
     except OSError as e:
         raise InvalidValueError(f"{path}: cannot read it ({e.strerror or e})") from None
-    return frames, bad
+    return frames, bad, ident
 
 
 # ---------------------------------------------------------------- loading records (runs in workers)
@@ -253,10 +256,10 @@ def load_task(task: Task) -> list[Loaded | Bad]:
     example_type: Any = example_class()
     name = Path(task.path).name
     try:
-        fd = os.open(task.path, os.O_RDONLY)
-    except OSError as e:
-        return [Bad(f"record {n}", f"{task.path}: record {n}", f"cannot open the file ({e.strerror})")
-                for n, _, _ in task.records]
+        fd = open_same(task.path, task.ident)
+    except (OSError, InvalidValueError) as e:
+        why = f"cannot open the file ({e.strerror})" if isinstance(e, OSError) else str(e)
+        return [Bad(f"{name}/{n:08d}", f"{task.path}: record {n}", why) for n, _, _ in task.records]
     try:
         for n, offset, length in task.records:
             where = f"{task.path}: record {n}"

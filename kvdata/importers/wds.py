@@ -39,7 +39,7 @@ import numpy as np
 
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidValueError
-from .records import Bad, Loaded, check_common, decode_image, key_problem, write_records
+from .records import Bad, Loaded, check_common, decode_image, key_problem, map_ordered, open_same, worker_pool, write_records
 
 INSTALL_HINT = "pip install 'kvdata[images]'"
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "bmp", "gif", "webp", "ppm", "tif", "tiff"})
@@ -58,6 +58,7 @@ class Group(NamedTuple):
     fields: tuple[tuple[str, int, int], ...]
     where: str
     decode: str
+    ident: tuple[int, int]  # (st_dev, st_ino) of the tar the scan read
 
 
 class TarDamaged(InvalidValueError):
@@ -81,26 +82,26 @@ def import_wds(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike
     scan_bad: list[Bad] = []
     ignored = 0
     keys: dict[str, str] = {}
-    for tar in tars:
-        found, bad, skipped = scan_tar(tar, limit, decode)
-        ignored += skipped
-        for g in found:
-            if g.key in keys:
-                bad.append(Bad(g.key, g.where, f"key {g.key!r} appears twice (first in {keys[g.key]}); "
-                                              "WebDataset keys must be unique across shards"))
-                continue
-            keys[g.key] = g.where
-            groups.append(g)
-        if bad and not skip_bad:
-            raise InvalidValueError(f"{bad[0].where}: {bad[0].reason}; nothing was imported "
-                                    "(pass --skip-bad to leave such records out)")
-        scan_bad.extend(bad)
-    if not groups:
-        raise InvalidValueError(f"{', '.join(map(str, tars[:3]))}: no WebDataset records (key.ext members) found"
-                                f"{f' ({len(scan_bad)} bad)' if scan_bad else ''}; nothing was written")
-    return write_records(groups, load_group, dataset, total=len(groups), workers=workers, skip_bad=skip_bad,
-                         scan_bad=scan_bad, shard_size=shard_size, compress=compress, progress=progress,
-                         started=started, ignored=ignored)
+    with worker_pool(workers) as pool:  # tars are scanned in the workers too, one tar each
+        for found, bad, skipped in map_ordered(pool, _scan_task, [(tar, limit, decode) for tar in tars]):
+            ignored += skipped
+            for g in found:
+                if g.key in keys:
+                    bad.append(Bad(g.key, g.where, f"key {g.key!r} appears twice (first in {keys[g.key]}); "
+                                                  "WebDataset keys must be unique across shards"))
+                    continue
+                keys[g.key] = g.where
+                groups.append(g)
+            if bad and not skip_bad:
+                raise InvalidValueError(f"{bad[0].where}: {bad[0].reason}; nothing was imported "
+                                        "(pass --skip-bad to leave such records out)")
+            scan_bad.extend(bad)
+        if not groups:
+            raise InvalidValueError(f"{', '.join(map(str, tars[:3]))}: no WebDataset records (key.ext members) "
+                                    f"found{f' ({len(scan_bad)} bad)' if scan_bad else ''}; nothing was written")
+        return write_records(groups, load_group, dataset, total=len(groups), pool=pool, workers=workers,
+                             skip_bad=skip_bad, scan_bad=scan_bad, shard_size=shard_size, compress=compress,
+                             progress=progress, started=started, ignored=ignored)
 
 
 # ---------------------------------------------------------------- finding and scanning tars
@@ -150,6 +151,10 @@ def _member_problem(info: tarfile.TarInfo, limit: int) -> str | None:
     return None
 
 
+def _scan_task(task: tuple[str, int, str]) -> tuple[list[Group], list[Bad], int]:
+    return scan_tar(*task)
+
+
 def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], list[Bad], int]:
     """(record groups, bad records, members ignored) of one tar, from its headers only.
 
@@ -157,9 +162,15 @@ def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], l
     file) raises TarDamaged naming the tar and the last good member: what follows cannot
     be trusted, so it is never a skippable bad record."""
     try:
-        file_size = os.stat(tar).st_size
-        tf = tarfile.open(tar, "r:")
+        raw = open(tar, "rb")  # noqa: SIM115 (closed with tf, or below)
+    except OSError as e:
+        raise TarDamaged(f"{tar}: cannot open it ({e.strerror or e})") from None
+    st = os.fstat(raw.fileno())
+    file_size, ident = st.st_size, (st.st_dev, st.st_ino)
+    try:
+        tf = tarfile.open(fileobj=raw, mode="r:")
     except tarfile.ReadError as e:
+        raw.close()
         raise TarDamaged(f"{tar}: not an uncompressed tar ({e}); gunzip a .tar.gz first, or check the file") from None
     groups: list[Group] = []
     bad: list[Bad] = []
@@ -176,10 +187,10 @@ def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], l
         if cur_bad is not None:
             bad.append(Bad(cur_key, cur_where, cur_bad))
         else:
-            groups.append(Group(tar, cur_key, tuple(cur_fields), cur_where, decode))
+            groups.append(Group(tar, cur_key, tuple(cur_fields), cur_where, decode, ident))
 
     try:
-        with tf:
+        with raw, tf:
             while True:
                 try:
                     info = tf.next()
@@ -223,14 +234,12 @@ def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], l
                 last = name
             close_group()
             end = tf.offset
+            # tarfile stops quietly at a damaged header: only zero blocks may follow the last one
+            rest = os.pread(raw.fileno(), _BLOCK, end) if end < file_size else b""
     except OSError as e:
         raise TarDamaged(f"{tar}: cannot read it after member {last!r} ({e.strerror or e})") from None
-    if end < file_size:  # tarfile stops quietly at a damaged header: only zero blocks may follow
-        with open(tar, "rb") as f:
-            f.seek(end)
-            rest = f.read(_BLOCK)
-        if rest.strip(b"\x00"):
-            raise TarDamaged(f"{tar}: unreadable tar header at byte {end}, after member {last!r}; the tar is damaged")
+    if rest.strip(b"\x00"):
+        raise TarDamaged(f"{tar}: unreadable tar header at byte {end}, after member {last!r}; the tar is damaged")
     return groups, bad, ignored
 
 
@@ -241,9 +250,11 @@ def load_group(g: Group) -> list[Loaded | Bad]:
     value: dict[str, Any] = {}
     label: int | None = None
     try:
-        fd = os.open(g.tar, os.O_RDONLY)
+        fd = open_same(g.tar, g.ident)
     except OSError as e:
         return [Bad(g.key, g.where, f"cannot open the tar ({e.strerror})")]
+    except InvalidValueError as e:
+        return [Bad(g.key, g.where, str(e))]
     try:
         for ext, offset, size in g.fields:
             data = os.pread(fd, size, offset) if size else b""
