@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from ..errors import KVDataError
-from . import cache, data, imports, imports_arrow, imports_formats, merge  # noqa: F401 (imports_arrow, imports_formats: more `import` kinds)
+from . import cache, data, doctor, imports, imports_arrow, imports_formats, merge  # noqa: F401 (imports_arrow, imports_formats: more `import` kinds)
 from .output import error, fail
 
 __all__ = ["main"]
@@ -65,5 +65,5 @@ def main() -> None:
     """kvdata: datasets as uncompressed LMDB shards with an O(1) memmap index."""
 
 
-for _command in (*data.COMMANDS, *cache.COMMANDS, *imports.COMMANDS, *merge.COMMANDS):
+for _command in (*data.COMMANDS, *cache.COMMANDS, *imports.COMMANDS, *merge.COMMANDS, *doctor.COMMANDS):
     main.add_command(_command)
