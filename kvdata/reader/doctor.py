@@ -36,6 +36,7 @@ from ..config import Config, load_config
 from ..errors import InvalidValueError
 from ..format.manifest import ShardEntry
 from ..tiers.homes import is_url, open_home
+from .daemon_client import DaemonStager
 from .open import open_dataset
 
 __all__ = ["Sizes", "QUICK", "FULL", "parse_rate", "memcpy_bandwidth", "directory_read", "home_probe",
@@ -384,10 +385,12 @@ def run_doctor(dataset: str | None, need: float | None, sizes: Sizes = FULL, con
         with _opened(dataset, cfg) as store:
             shards = list(store.manifest.shards)
             samples = len(store)
+            via = ("kvdatad" if isinstance(store.source, DaemonStager) else
+                   "in place" if store.source is None else "tiers")
         total = sum(e.bytes for e in shards)
         report["dataset"] = {"location": dataset, "samples": samples, "shards": len(shards), "bytes": total,
                              "bytes_per_sample": total / samples if samples else 0.0,
-                             "remote": is_url(dataset), "in_place": not is_url(dataset) and not cfg.stage_local}
+                             "remote": is_url(dataset), "in_place": via == "in place", "via": via}
         if shards:
             big = max(shards, key=lambda e: e.bytes)
             tell("home")
@@ -425,7 +428,8 @@ def text_report(report: dict[str, Any]) -> list[str]:
             lines.append(f"tier {t['name']:<8} not measured: {t['path']} is {t['problem']}")
     ds = report.get("dataset")
     if ds is not None:
-        where = "remote" if ds["remote"] else ("local, read in place" if ds["in_place"] else "local, staged into tiers")
+        where = ("remote" if ds["remote"] else "local") + {"in place": ", read in place", "tiers": ", staged into tiers",
+                                                          "kvdatad": ", through kvdatad"}[ds["via"]]
         lines.append(f"dataset       {ds['location']}: {ds['samples']:,} samples, {ds['shards']} shards, "
                      f"{_size(ds['bytes'])}, {_size(ds['bytes_per_sample'])} per sample ({where})")
         h = report.get("home")

@@ -9,6 +9,7 @@ right answer is known.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.cli import Cli
+from helpers.daemon import Kit
 from helpers.servers import NginxHome, publish_http
 
 import kvdata
@@ -56,7 +58,7 @@ def test_json_has_every_measurement(cli: Cli, env: dict[str, Path]) -> None:
     assert rep["tiers"][1]["measured_at"] == str(env["root"] / "tiers")
     ds = rep["dataset"]
     assert ds["samples"] == 600 and ds["shards"] > 1 and ds["bytes"] > 0 and ds["bytes_per_sample"] > 0
-    assert ds["remote"] is False
+    assert ds["remote"] is False and ds["via"] == "tiers" and ds["in_place"] is False
     home = rep["home"]
     assert home["bytes_per_s"] > 0 and home["latency_s"] >= 0 and home["remote"] is False
     assert rep["reader"]["samples_per_s"] > 0 and rep["reader"]["samples"] > 0
@@ -125,7 +127,7 @@ def test_remote_home_latency_and_bandwidth(cli: Cli, env: dict[str, Path], nginx
     assert home["remote"] is True and home["object"].endswith(".mdb.zst")
     assert home["latency_s"] > 0 and home["bytes_per_s"] > 0 and home["expansion"] > 0
     assert home["sample_bytes_per_s"] == pytest.approx(home["bytes_per_s"] * home["expansion"])
-    assert rep["dataset"]["remote"] is True and rep["dataset"]["samples"] == 600
+    assert rep["dataset"]["remote"] is True and rep["dataset"]["samples"] == 600 and rep["dataset"]["via"] == "tiers"
     assert rep["reader"]["samples_per_s"] > 0
     assert rep["verdict"]["ok"] is True
 
@@ -171,3 +173,14 @@ def test_parse_rate_refuses_what_is_not_a_rate() -> None:
     for bad in ("k/s", "20 MB/s", "nan", "inf", "-1", "", "20000/min", "1e999"):
         with pytest.raises(InvalidValueError, match="samples per second"):
             parse_rate(bad)
+
+
+def test_through_kvdatad(kit: Kit) -> None:
+    """With kvdatad up, the reader measured is the one a job gets: shards through the daemon."""
+    ds = make_dataset(kit.root / "ds.kv", n=200)
+    kit.daemon()
+    r = kit.kvdata("doctor", str(ds), "--json", "--quick", "--need", "1")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["dataset"]["via"] == "kvdatad" and rep["reader"]["samples_per_s"] > 0
+    assert [t["name"] for t in rep["tiers"]] == ["ram", "ssd"] and rep["verdict"]["ok"] is True
