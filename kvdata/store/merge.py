@@ -352,6 +352,7 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray
            fields: dict[str, dict[str, Any]], extra: dict[str, Any], progress: bool | None) -> dict[str, Any]:
     created = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
+    own_lock_file = not os.path.lexists(dest / names.LOCK)
     try:
         lock = WriterLock(dest)
     except BaseException:
@@ -380,9 +381,10 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray
     finally:
         if not ok:
             shutil.rmtree(stage, ignore_errors=True)
+            if own_lock_file:
+                unlink_quiet(dest / names.LOCK)  # dest is left as it was found
         lock.release()
         if not ok and created:
-            unlink_quiet(dest / names.LOCK)
             try:
                 dest.rmdir()
             except OSError:
@@ -426,6 +428,9 @@ def _place(src: Path, dst: Path, size: int, sha256: str) -> str:
     sha256 match the manifest ("copy"). A file swapped for a symlink meanwhile is refused."""
     try:
         os.link(src, dst, follow_symlinks=False)
+    except FileNotFoundError:
+        raise MissingShardError(f"{src} was removed while it was merged (a writer rewriting that part?); nothing "
+                                "was written; merge again once no one writes the parts") from None
     except OSError as e:
         if e.errno not in NO_LINK_ERRNOS:
             raise
