@@ -2,7 +2,8 @@
 (the work is kvdata.reader.doctor; this module parses and prints).
 
 Exit status: 0 when the measurements ran (and with --need, the rate fits); 1 when --need
-would starve (or an error); 2 for a bad option value (a --need that is not a rate).
+would starve, the dataset cannot be read with this config (say, a tier smaller than a shard),
+or another error; 2 for a bad option value (a --need that is not a rate).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def doctor(dataset: str | None, need: float | None, as_json: bool, quick: bool) 
         for line in text_report(report):
             click.echo(line)
     verdict = report.get("verdict")
-    if verdict is not None and not verdict["ok"]:
+    if (verdict is not None and not verdict["ok"]) or (report.get("dataset") or {}).get("error"):
         sys.exit(1)
 
 

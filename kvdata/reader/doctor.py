@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..config import Config, load_config
-from ..errors import InvalidValueError
+from ..errors import ConfigError, InvalidValueError
 from ..format.manifest import ShardEntry
 from ..tiers.homes import is_url, open_home
 from .daemon_client import DaemonStager
@@ -307,14 +307,19 @@ def _rate(n: float) -> str:
     return f"{n:,.0f}" if n >= 10 else f"{n:.2g}"
 
 
-def diagnose(report: dict[str, Any], need: float) -> Verdict:
+def diagnose(report: dict[str, Any], need: float, cpus: int | None = None) -> Verdict:
     """Which link of the measured chain caps the dataset's samples/s, and whether `need` fits.
 
     Bytes per sample = the dataset's shard bytes / its samples. memcpy carries every byte;
     the tiers carry what they hold (their budgets against the dataset's bytes); the home carries
     the rest every epoch (for a local dataset read in place: what the page cache cannot keep);
-    the measured one-thread reader is the end-to-end figure."""
+    the measured one-thread reader is the end-to-end figure. A link below the need starves it
+    whatever the thread count (the smallest is named); else a reader below it needs threads.
+    A dataset kvdata could not open with this config starves at 0, the error its fix."""
     ds = report["dataset"]
+    if ds.get("error"):
+        return Verdict(need, False, "configuration", [], f"STARVES: kvdata cannot read {ds['location']} with this "
+                       f"config: {ds['error']}")
     per = max(1.0, ds["bytes"] / max(1, ds["samples"]))
     parts: list[Part] = []
     mem = report["memcpy"]["bytes_per_s"]
@@ -347,19 +352,26 @@ def diagnose(report: dict[str, Any], need: float) -> Verdict:
             parts.append(Part(where, bw / (per * miss),
                               f"{_size(bw)}/s of sample bytes for the {miss:.0%} of them nothing on this box keeps",
                               f"{keep_fix}; or more bandwidth to the home"))
-    r = report.get("reader")
-    if r and r.get("samples_per_s"):
-        threads = max(1, math.ceil(need / r["samples_per_s"]))
-        parts.append(Part("the reader (one thread)", r["samples_per_s"],
-                          f"measured with get_batch of {r['batch']} random samples",
-                          f"read with kvdata.Loader(threads={min(threads, os.cpu_count() or 1)}) or DataLoader "
-                          "workers; the links above still bound it"))
-    limit = min(parts, key=lambda p: p.samples_per_s)
-    ok = limit.samples_per_s >= need
     head = f"{_rate(need)} samples/s ({_size(need * per)}/s at {_size(per)} per sample)"
+    link = min(parts, key=lambda p: p.samples_per_s)  # the box's links: no thread count lifts these
+    r = report.get("reader") or {}
+    limit = link
+    if r.get("samples_per_s"):
+        one = r["samples_per_s"]
+        threads = math.ceil(need / one)
+        cores = cpus if cpus is not None else (os.cpu_count() or 1)
+        fix = (f"read with kvdata.Loader(threads={threads}) or {threads} DataLoader workers" if threads <= cores else
+               f"about {threads} threads' worth of reading, and this box has {cores} cores: fewer bytes or less "
+               "work per sample, or more boxes")
+        reader = Part("the reader (one thread)", one, f"measured with get_batch of {r['batch']} random samples", fix)
+        parts.append(reader)
+        if link.samples_per_s >= need and one < need:
+            limit = reader  # the links would carry it; one thread does not
+    ok = limit.samples_per_s >= need
     if ok:
-        text = (f"OK: {head} fits. The tightest part is {limit.name} at {_rate(limit.samples_per_s)} samples/s "
-                f"({limit.samples_per_s / need:.1f}x the need): {limit.why}.")
+        tight = min(parts, key=lambda p: p.samples_per_s)
+        text = (f"OK: {head} fits. The tightest part is {tight.name} at {_rate(tight.samples_per_s)} samples/s "
+                f"({tight.samples_per_s / need:.1f}x the need): {tight.why}.")
     else:
         text = (f"STARVES: {head} is more than {limit.name} gives: {_rate(limit.samples_per_s)} samples/s "
                 f"({limit.why}). Fix: {limit.fix}.")
@@ -382,11 +394,17 @@ def run_doctor(dataset: str | None, need: float | None, sizes: Sizes = FULL, con
         report["tiers"].append({"name": t.name, "budget": t.budget, **directory_read(t.path, sizes.tier_bytes)})
     if dataset is not None:
         tell(f"dataset {dataset}")
-        with _opened(dataset, cfg) as store:
-            shards = list(store.manifest.shards)
-            samples = len(store)
-            via = ("kvdatad" if isinstance(store.source, DaemonStager) else
-                   "in place" if store.source is None else "tiers")
+        try:
+            with _opened(dataset, cfg) as store:
+                shards = list(store.manifest.shards)
+                samples = len(store)
+                via = ("kvdatad" if isinstance(store.source, DaemonStager) else
+                       "in place" if store.source is None else "tiers")
+        except ConfigError as e:  # e.g. a tier smaller than a shard: that is the diagnosis
+            report["dataset"] = {"location": dataset, "error": str(e)}
+            if need is not None:
+                report["verdict"] = asdict(diagnose(report, need))
+            return report
         total = sum(e.bytes for e in shards)
         report["dataset"] = {"location": dataset, "samples": samples, "shards": len(shards), "bytes": total,
                              "bytes_per_sample": total / samples if samples else 0.0,
@@ -427,7 +445,9 @@ def text_report(report: dict[str, Any]) -> list[str]:
         else:
             lines.append(f"tier {t['name']:<8} not measured: {t['path']} is {t['problem']}")
     ds = report.get("dataset")
-    if ds is not None:
+    if ds is not None and ds.get("error"):
+        lines.append(f"dataset       {ds['location']}: cannot be read with this config: {ds['error']}")
+    elif ds is not None:
         where = ("remote" if ds["remote"] else "local") + {"in place": ", read in place", "tiers": ", staged into tiers",
                                                           "kvdatad": ", through kvdatad"}[ds["via"]]
         lines.append(f"dataset       {ds['location']}: {ds['samples']:,} samples, {ds['shards']} shards, "
