@@ -34,7 +34,7 @@ def _corrupt(path: Path, what: str) -> CorruptDatasetError:
 
 
 def load_array(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
-    """A read-only memmap of the first `count` rows of `path`."""
+    """The first `count` rows of `path`, read-only, memory-mapped."""
     if count == 0:
         return np.zeros(0, dtype=dtype)
     try:
@@ -48,7 +48,9 @@ def load_array(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     size = st.st_size
     if size < count * dtype.itemsize:
         raise _corrupt(path, f"is truncated ({size} bytes, {count * dtype.itemsize} expected)")
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    # a plain ndarray view of the map (the map stays alive as its base): np.memmap's Python-level
+    # __getitem__ / __array_finalize__ cost more than the lookup on every single-sample read
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
 
 
 class KeyRun:
@@ -95,9 +97,10 @@ class Index:
         out: list[int] = []
         hv = np.uint64(h)
         for run in reversed(self.runs):
-            lo = int(np.searchsorted(run.hashes, hv, "left"))
-            if lo < len(run.hashes) and run.hashes[lo] == hv:
-                hi = int(np.searchsorted(run.hashes, hv, "right"))
+            hashes = run.hashes
+            lo = int(hashes.searchsorted(hv, "left"))
+            if lo < len(hashes) and hashes[lo] == hv:
+                hi = int(hashes.searchsorted(hv, "right"))
                 found = [int(p) for p in run.pos[lo:hi]]
                 if any(p >= self.count for p in found):
                     raise run.bad_position(self.count)

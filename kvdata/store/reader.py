@@ -528,9 +528,29 @@ class Reader:
         skey = kb.decode("utf-8")
         index = self.gen.index
         for p in index.candidates(fmt.key_hash(kb)):
-            if p < index.count and self.metas([p])[0][1].get("k") == skey:
+            if p < index.count and self._key_at(p) == skey:
                 return p
         return None
+
+    def _key_at(self, p: int) -> Any:
+        """The key stored in the record of sample p: read from the header of a sealed record in
+        place with scalar work (a store.get(key) costs about one store[i]); else through metas."""
+        index = self.gen.index
+        if self.source is None and self.max_open is None:
+            shard, slot, _label = index.samples[p].item()
+            if shard < index.n_sealed:
+                rec = int(index.base[shard]) + slot
+                if rec < index.base[shard + 1]:
+                    off, size, hk = index.records[rec].item()
+                    head = hk & _HEAD_MASK
+                    if head >= fmt.PREFIX_SIZE and off + head + size <= index.shard_bytes[shard]:
+                        h = self._handles[shard] or self._handle(shard)
+                        try:
+                            buf = h.mv[off:off + head]
+                            return fmt.RecordHeader(buf).meta(buf).get("k")
+                        except CorruptDatasetError as e:
+                            raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
+        return self.metas([p])[0][1].get("k")
 
     def contains(self, key: object) -> bool:
         try:
