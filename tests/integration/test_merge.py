@@ -8,8 +8,7 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -47,8 +46,7 @@ def _write(path: Path, recs: list[tuple[str, Any, int | None]], *, deletes: int 
     """A dataset of small shards; `deletes` records are overwritten and deleted again, so its
     sealed shards hold dead records and tombstones too."""
     with kvdata.open(path, "a", shard_size="64KB") as s:
-        for k, v, lab in recs:
-            s.put(k, v, label=lab)
+        s.put_many(recs)
         for k, v, lab in recs[:deletes]:
             s.put(k + "-gone", b"x")
             s.delete(k + "-gone")
@@ -330,54 +328,58 @@ def test_cli_json_errors_and_exit_codes(parts: list[Path], tmp_path: Path) -> No
 
 # ---------------------------------------------------------------- SIGKILL during a merge
 
-CHILD = """
-import sys, time
-from kvdata.store.merge import merge
-*parts, dest = sys.argv[1:]
-print("go", flush=True)
-t = time.perf_counter()
-merge(parts, dest)
-print(time.perf_counter() - t, flush=True)
-"""
 KILLS = 10
 
 
-def _run_child(args: list[Path], delay: float | None) -> float | None:
-    """Run a merge in a child; with `delay`, SIGKILL it that long after it starts merging."""
-    with subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], stdout=subprocess.PIPE, text=True) as p:
+def _fork_merge(args: list[Path], dest: Path, delay: float | None) -> float | None:
+    """Merge in a forked child (no interpreter start: the kill lands in the merge itself); with
+    `delay`, SIGKILL it that long after it starts merging, else return how long the merge took."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: merge, report, and leave without running any of pytest's teardown
+        code = 1
         try:
-            assert p.stdout is not None
-            assert p.stdout.readline() == "go\n"
-            if delay is None:
-                took = float(p.stdout.readline())
-                assert p.wait(60) == 0
-                return took
-            time.sleep(delay)
-            p.send_signal(signal.SIGKILL)
-            p.wait(60)
-            return None
+            os.close(r)
+            os.write(w, b"g")
+            t = time.perf_counter()
+            merge(args, dest)
+            os.write(w, struct.pack("<d", time.perf_counter() - t))
+            code = 0
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            os._exit(code)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"g"
+        if delay is None:
+            took = struct.unpack("<d", os.read(r, 8))[0]
+            assert os.waitpid(pid, 0)[1] == 0
+            pid = 0
+            return float(took)
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pid = 0
+        return None
+    finally:
+        os.close(r)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 @pytest.mark.timeout(120)
 def test_sigkill_during_merge_leaves_no_dataset_or_a_complete_one(parts: list[Path], tmp_path: Path) -> None:
-    many = []
-    for i in range(4):  # more shards: the merge lasts long enough to be killed in the middle
-        p = tmp_path / f"m{i}.kv"
-        _write(p, [(f"m{i}/{j}", bytes(1500), j % 4) for j in range(1200)])
-        many.append(p)
-    args = [*parts, *many]
+    more = tmp_path / "more.kv"  # more samples: sorting and writing the index take a while too
+    _write(more, [(f"more/{j}", b"", j % 4) for j in range(8000)])
+    args = [*parts, more]
     expect = sum(_count(p) for p in args)
     before = [_snapshot(p) for p in args]
-    took = _run_child([*args, tmp_path / "timing.kv"], None)
+    took = _fork_merge(args, tmp_path / "timing.kv", None)
     assert took is not None
     seen = {"absent": 0, "staged": 0, "complete": 0}
     for i in range(KILLS):
         dest = tmp_path / f"k{i}.kv"
-        _run_child([*args, dest], took * (i + 0.5) / KILLS)
+        _fork_merge(args, dest, took * (i + 0.5) / KILLS)
         if not dest.exists():
             seen["absent"] += 1
             continue
