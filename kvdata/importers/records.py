@@ -7,6 +7,12 @@ turn a task into a record (`Loaded`) or a report of why it is bad (`Bad`) -- the
 raise for bad input, so the parent decides: fail the whole import (nothing committed) or,
 with skip_bad, leave the record out and list it in the summary. The parent is the one
 writer and commits once at the end, so an import is all-or-nothing.
+
+What workers buy: decoding (Pillow) runs in them, but every record's bytes still pass
+through the parent (unpickle, encode, LMDB put, the seal's sha256). Measured on 2,000
+128x128 JPEGs, --decode rgb: workers spend ~420-530 us of CPU per record, the parent
+~260-275 us with a pool (~400-560 us when it decodes itself), so more workers pay only
+while the parent has a core of its own; on a box of 2 busy cores they do not.
 """
 
 from __future__ import annotations
