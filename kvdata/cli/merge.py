@@ -9,7 +9,7 @@ from .output import print_json
 
 
 @click.command()
-@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.argument("paths", nargs=-1, required=True, type=click.Path(), metavar="PARTS... DATASET")
 @click.option("--move", is_flag=True,
               help="Remove the parts' files once DATASET is committed (their shards live on in DATASET).")
 @click.option("--seal", is_flag=True,

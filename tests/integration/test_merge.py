@@ -318,6 +318,7 @@ def test_cli_json_errors_and_exit_codes(parts: list[Path], tmp_path: Path) -> No
     assert cli.ok("verify", "m.kv").text.startswith("ok: ")
     assert "merged 3 parts into m2.kv: 551 samples" in cli.ok("merge", *parts, "m2.kv").text
     assert cli.run("merge", parts[0]).rc == 2  # usage: a part and a destination at least
+    assert cli.ok("merge", "--help").text.startswith("Usage: kvdata merge [OPTIONS] PARTS... DATASET")
     cli.fail("merge", *parts, "m.kv", names=["m.kv", "already a dataset"])
     cli.fail("merge", tmp_path / "nope.kv", parts[0], "m3.kv", names=["nope.kv"])
     (tmp_path / "junk").mkdir()
