@@ -106,7 +106,7 @@ def import_parquet(sources: Sequence[str | os.PathLike[str]], dataset: str | os.
     """
     started = time.perf_counter()
     _check_options(decode, workers, shard_size, "parquet")
-    files = find_files(sources, (".parquet",))
+    files = find_files(sources, (".parquet",), unique=key is None)
     if not files:
         raise ConfigError(f"{', '.join(map(str, sources))}: no .parquet files found; pass Parquet files or "
                           "a directory that holds them")
@@ -149,9 +149,11 @@ def _pa() -> Any:
     return pyarrow
 
 
-def find_files(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, ...]) -> list[tuple[str, str]]:
+def find_files(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, ...],
+               unique: bool = True) -> list[tuple[str, str]]:
     """(path, name) of every file named, or found under a directory named (sorted, symlinks
-    not followed); the name is the path relative to that directory, without its suffix."""
+    not followed); the name is the path relative to that directory, without its suffix, and
+    with `unique` (names make keys) no two may be equal."""
     out: list[tuple[str, str]] = []
     for s in sources:
         p = Path(s)
@@ -171,7 +173,7 @@ def find_files(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, .
         else:
             raise ConfigError(f"{p}: no such file or directory; check the path")
     names = [n for _p, n in out]
-    if len(set(names)) != len(names):
+    if unique and len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ConfigError(f"two inputs are both named {dup!r} (their rows would get the same keys); "
                           "pass them from one directory, or use --key")
@@ -526,8 +528,11 @@ def _arrays(arr: Any, dtype: np.dtype, depth: int) -> list[Any]:
     if depth == 1 and (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         offsets = arr.offsets.to_numpy()
         child = arr.values
-        flat = child.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+        flat = child.to_numpy(zero_copy_only=False)
         bad_child = None if not child.null_count else child.is_null().to_numpy(zero_copy_only=False)
+        if bad_child is not None:
+            flat = np.where(bad_child, 0, flat)  # the rows holding them are bad; no NaN cast to int
+        flat = flat.astype(dtype, copy=False)
         out: list[Any] = []
         for i in range(n):
             if valid is not None and not valid[i]:

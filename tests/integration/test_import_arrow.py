@@ -311,6 +311,24 @@ def test_corrupt_image_fails_all_or_nothing_or_is_skipped_by_key(tmp_path: Path)
                                                                            _pixels(images[599]))
 
 
+def test_lists_with_nulls_inside_or_ragged_rows_are_bad_records(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from kvdata.importers.arrow import import_parquet
+
+    pq.write_table(pa.table({
+        "ints": pa.array([[1, 2], [3, None], [], None], pa.list_(pa.int64())),
+        "nested": [[[1.0, 2.0]], [[1.0]], [[1.0], [2.0, 3.0]], [[None, 1.0]]],
+    }), tmp_path / "n.parquet")
+    with pytest.raises(InvalidValueError, match=r"row 1 \(key 'n/000000001'\): column 'ints': a null inside the list"):
+        import_parquet([tmp_path / "n.parquet"], tmp_path / "ds", progress=False)
+    summary = import_parquet([tmp_path / "n.parquet"], tmp_path / "ds", skip_bad=True, progress=False)
+    assert [(b["key"], b["error"].split(":")[0]) for b in summary["bad"]] == [
+        ("n/000000001", "column 'ints'"), ("n/000000002", "column 'nested'"), ("n/000000003", "column 'nested'")]
+    with kvdata.open(tmp_path / "ds") as store:
+        assert len(store) == 1 and store[0]["ints"].tolist() == [1, 2] and store[0]["nested"].shape == (1, 2)
+
+
 # ---------------------------------------------------------------- the command line
 
 def test_cli_parquet_and_hf_exit_codes_and_json(parquet_dir: Path, hf_saved: tuple[Path, Any],
