@@ -103,7 +103,7 @@ def test_wds_round_trips_record_for_record(tmp_path, wds_shards, cli):
 
 
 def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
-    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
         for info, data in members:
             tf.addfile(info, io.BytesIO(data) if data is not None else None)
     return path
@@ -112,6 +112,12 @@ def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Pat
 def _reg(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
     info.size = len(data)
+    return info, data
+
+
+def _nul_name() -> tuple[tarfile.TarInfo, bytes]:
+    info, data = _reg("b.txt", b"nul")
+    info.pax_headers = {"path": "b\x00.txt"}  # a PAX path can carry a NUL a ustar name cannot
     return info, data
 
 
@@ -126,6 +132,7 @@ def _link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tuple[tarfil
     (_link("b.txt", "a.txt", tarfile.LNKTYPE), "hard link"),
     (_reg("../b.txt", b"escape"), "'..'"),
     (_reg("/abs/b.txt", b"escape"), "absolute"),
+    (_nul_name(), "NUL"),
 ])
 def test_hostile_tar_members_are_refused_or_skipped_by_name(tmp_path, cli, hostile, named):
     tar = _tar(tmp_path / "bad.tar", [_reg("a.txt", b"fine"), hostile, _reg("c.txt", b"also fine")])
@@ -354,3 +361,19 @@ def test_workers_name_a_damaged_tar_and_a_tar_replaced_after_the_scan(tmp_path, 
     tars[2].rename(tars[0])  # same name, another file: the scan's offsets must not be read from it
     (result,) = load_group(groups[0])
     assert result.reason.startswith("the file was replaced while importing")
+
+
+def test_the_pure_python_crc_imports_the_same_records(tmp_path, monkeypatch):
+    from kvdata.importers import tfrecord
+
+    frames = b"".join(_frame(_example({"v": ("int", [i]), "b": ("bytes", [bytes(range(i, i + 40))])}))
+                      for i in range(6))
+    (tmp_path / "a.tfrecord").write_bytes(frames)
+    monkeypatch.setattr(tfrecord, "_crc_function", lambda: tfrecord.crc32c_py)
+    import_tfrecord([tmp_path / "a.tfrecord"], tmp_path / "ds")
+    got = _read_all(tmp_path / "ds")
+    assert [(r["v"], bytes(r["b"])) for r in got.values()] == [(i, bytes(range(i, i + 40))) for i in range(6)]
+    broken = bytearray(frames)
+    broken[30] ^= 1  # inside record 0's data
+    (tmp_path / "b.tfrecord").write_bytes(bytes(broken))
+    _refused(import_tfrecord, [tmp_path / "b.tfrecord"], tmp_path / "ds2", names=["record 0", "data's CRC"])
