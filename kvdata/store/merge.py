@@ -86,6 +86,8 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
     disagree, a `dest` that exists and is not empty. Returns a summary (samples, shards,
     bytes linked and copied, seconds)."""
     t0 = time.monotonic()
+    if isinstance(parts, (str, bytes, os.PathLike)):
+        raise TypeError(f"parts must be a list of dataset paths, not the single path {parts!r}")
     if not parts:
         raise KVDataError("merge needs at least one part")
     roots = [Path(p) for p in parts]

@@ -179,6 +179,8 @@ def test_destination_must_be_new_or_empty(parts: list[Path], tmp_path: Path) -> 
         merge(parts[:2], parts[2])
     with pytest.raises(KVDataError, match="outside every part"):
         merge(parts, parts[0] / "inside")
+    with pytest.raises(TypeError, match="list of dataset paths"):
+        merge(str(parts[0]), tmp_path / "x")  # type: ignore[arg-type]
     with pytest.raises(KVDataError, match="given twice"):
         merge([parts[0], parts[0]], tmp_path / "x")
     (tmp_path / "file").write_text("")
