@@ -219,8 +219,9 @@ def _merge_classes(parts: list[_Part]) -> tuple[str, ...]:
         if c and c != longest[:len(c)]:
             i = next(i for i, (a, b) in enumerate(zip(c, longest)) if a != b)
             raise InvalidValueError(
-                f"{p.root}: its classes disagree with {owner}'s (label {i} is {c[i]!r} there and {longest[i]!r} "
-                "here); labels would change meaning, so the parts cannot be merged; write them with one class list")
+                f"{p.root}: its classes disagree with {owner}'s (label {i} is {c[i]!r} here and "
+                f"{longest[i]!r} there); labels would change meaning, so the parts cannot be merged; "
+                "write them with one class list")
     return longest
 
 
