@@ -35,3 +35,24 @@ def test_the_training_loops_of_the_readme_run(tmp_path: Path, monkeypatch: pytes
         if loader is not None:
             loader.close()
     assert os.path.exists(tmp_path / "checkpoint.pt")
+
+
+def test_the_coming_from_table_names_commands_that_exist() -> None:
+    from click.testing import CliRunner
+
+    from kvdata.cli import main as cli
+
+    text = README.read_text()
+    section = text.split("### Coming from another format\n", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    kinds = re.findall(r"`kvdata import (\w+) ", table)
+    assert {"folder", "listfile", "caffe", "hf", "parquet", "wds", "tfrecord"} <= set(kinds)
+    runner = CliRunner()
+    for kind in kinds:
+        r = runner.invoke(cli, ["import", kind, "--help"])
+        assert r.exit_code == 0, (kind, r.output)
+        for opt in re.findall(rf"`kvdata import {kind} [^`]*`", table)[0].split():
+            if opt.startswith("--"):
+                assert opt in r.output, (kind, opt)
+    for fn in re.findall(r"`kvdata\.(\w+)\(", table):
+        assert callable(getattr(kvdata, fn)), fn
