@@ -21,12 +21,12 @@ def _arrow_options(f: Any) -> Any:
     f = click.option("--skip-bad", is_flag=True,
                      help="Leave out records that cannot be imported (listed by key) instead of failing.")(f)
     f = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Processes that decode images (0: in-process).")(f)
+                     help="Processes that decode images (0 or 1: in-process).")(f)
     f = click.option("--decode", type=click.Choice(["none", "rgb", "gray"]), default="none", show_default=True,
                      help="Store image columns as raw pixels (HWC uint8); 'none' keeps the image bytes.")(f)
     f = click.option("--image", "images", multiple=True, metavar="COLUMN",
-                     help="A binary column holding image files (HF Image features and {bytes, path} columns "
-                          "are found by themselves). Repeatable.")(f)
+                     help="A binary column holding image files (HF Image features, {bytes, path} columns and "
+                          "binary columns whose first value is an image are found by themselves). Repeatable.")(f)
     f = click.option("--columns", metavar="A,B,...", help="Keep only these columns as fields (default: all).")(f)
     f = click.option("--label", metavar="COLUMN",
                      help="Integer column for the index label (default: the ClassLabel column, if one).")(f)
