@@ -203,7 +203,8 @@ def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], l
                 while name.startswith("./"):  # `tar cf x.tar ./a.jpg` names members ./a.jpg
                     name = name[2:]
                 where = f"{tar}: member {info.name!r}"
-                if info.isreg() and info.offset_data + info.size > file_size:
+                carries_data = info.isreg() or info.type not in tarfile.SUPPORTED_TYPES  # as tarfile skips it
+                if carries_data and info.offset_data + info.size > file_size:
                     raise TarDamaged(f"{where} declares {info.size} bytes but the file ends at byte {file_size}; "
                                      "the tar is truncated or its header forged")
                 if info.isdir():  # nothing is created from a tar, so a directory entry is just skipped
@@ -238,6 +239,9 @@ def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], l
             rest = os.pread(raw.fileno(), _BLOCK, end) if end < file_size else b""
     except OSError as e:
         raise TarDamaged(f"{tar}: cannot read it after member {last!r} ({e.strerror or e})") from None
+    if end > file_size:
+        raise TarDamaged(f"{tar}: the headers run past the end of the file after member {last!r}; the tar is "
+                         "truncated or its header forged")
     if rest.strip(b"\x00"):
         raise TarDamaged(f"{tar}: unreadable tar header at byte {end}, after member {last!r}; the tar is damaged")
     return groups, bad, ignored

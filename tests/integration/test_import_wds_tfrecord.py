@@ -169,6 +169,13 @@ def test_a_huge_declared_size_and_a_damaged_header_are_refused(tmp_path, cli):
     cli.fail("import", "wds", huge, tmp_path / "ds", names=[str(huge), "k1.txt", str(huge_size), "truncated"])
     _refused(import_wds, [huge], tmp_path / "ds", skip_bad=True, names=[str(huge), "k1.txt"])
     assert not (tmp_path / "ds").exists()
+    # a member of an unknown type whose data tarfile skips, with the same forged size
+    hdr[156:157] = b"Z"
+    hdr[148:156] = b" " * 8
+    hdr[148:156] = b"%06o\x00 " % sum(hdr)
+    forged[start:start + 512] = hdr
+    huge.write_bytes(bytes(forged))
+    _refused(import_wds, [huge], tmp_path / "ds", skip_bad=True, names=[str(huge), "k1.txt", "truncated"])
     # a size over the limit is one bad record: refused, or skipped
     _refused(import_wds, [good], tmp_path / "ds", max_member_size=500, names=["k0.txt", "700 bytes"])
     assert not (tmp_path / "ds").exists()
