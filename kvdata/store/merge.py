@@ -356,12 +356,7 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray
     created = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     own_lock_file = not os.path.lexists(dest / names.LOCK)
-    try:
-        lock = WriterLock(dest)
-    except BaseException:
-        if created:
-            shutil.rmtree(dest, ignore_errors=True)
-        raise
+    lock = WriterLock(dest)  # refused while another merge builds it: then all of dest is left alone
     stage = dest / STAGING
     ok = False
     try:

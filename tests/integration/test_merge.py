@@ -19,9 +19,17 @@ import pytest
 from helpers.cli import Cli
 
 import kvdata
-from kvdata.errors import CorruptDatasetError, InvalidKeyError, InvalidValueError, KVDataError, NotADatasetError
+from kvdata.errors import (
+    CorruptDatasetError,
+    InvalidKeyError,
+    InvalidValueError,
+    KVDataError,
+    NotADatasetError,
+    WriterLockedError,
+)
 from kvdata.format import names
 from kvdata.reader.open import verify
+from kvdata.store.lock import WriterLock
 from kvdata.store.merge import STAGING, merge
 
 CLASSES = ["cat", "dog", "eel", "fox"]
@@ -186,6 +194,15 @@ def test_destination_must_be_new_or_empty(parts: list[Path], tmp_path: Path) -> 
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADatasetError, match="not a directory"):
         merge(parts, tmp_path / "file")
+    busy_merge = tmp_path / "being-merged"
+    busy_merge.mkdir()
+    other = WriterLock(busy_merge)  # another merge into it, in progress
+    try:
+        with pytest.raises(WriterLockedError, match="open for writing by another process"):
+            merge(parts, busy_merge)
+        assert os.listdir(busy_merge) == [names.LOCK]
+    finally:
+        other.release()
     empty = tmp_path / "empty"
     empty.mkdir()
     assert merge(parts, empty)["samples"] == 551  # an empty directory is fine
