@@ -228,6 +228,9 @@ def scan_file(path: str, limit: int) -> tuple[list[tuple[int, int, int]], list[B
                     raise InvalidValueError(f"{where}: the file ends inside a record header; the file is "
                                             "truncated or not a TFRecord file")
                 length, length_crc = _HEAD.unpack(head)
+                if n == 0 and head.startswith(b"\x1f\x8b"):
+                    raise InvalidValueError(f"{path}: the file is gzip-compressed (TFRecordOptions GZIP); "
+                                            "gunzip it first")
                 if masked_crc(head[:8]) != length_crc:
                     raise InvalidValueError(f"{where}: the length's CRC does not match; the file is damaged "
                                             "or not a TFRecord file")

@@ -335,6 +335,11 @@ def test_damaged_tfrecords_are_refused_naming_file_and_record(tmp_path, cli):
     truncated = tmp_path / "short.tfrecord"
     truncated.write_bytes(b"".join(frames)[:-3])
     _refused(import_tfrecord, [truncated], tmp_path / "ds2", names=[str(truncated), "record 4", "truncated"])
+    import gzip
+
+    gz = tmp_path / "a.tfrecord.gz"
+    gz.write_bytes(gzip.compress(b"".join(frames)))
+    _refused(import_tfrecord, [gz], tmp_path / "ds2", names=[str(gz), "gzip", "gunzip it first"])
     assert not (tmp_path / "ds2").exists()
 
     _refused(import_tfrecord, [data_bad], tmp_path / "ds3", key_feature="nope", names=["no key feature 'nope'"])
