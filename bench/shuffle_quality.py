@@ -15,9 +15,23 @@ batch, against a true random permutation of all samples, and how often two sampl
 the same shard share a batch (the price of a small window, whatever the layout). Only numpy and kvdata.order are
 used: no dataset is written.
 
-    python bench/shuffle_quality.py                          # print the table
-    python bench/shuffle_quality.py --write docs/SHUFFLE.md  # and update the table there
+The locality sampler (ShardShuffleSampler(locality=True), kvdata.order.locality_shares) gets
+the same measures with 4 nodes x 1 rank at exchange 0, 0.1 and 0.3, next to the global order
+on 4 ranks, plus how much of a node's shards it already read the epoch before (what its
+tier can serve again).
+
+Then a real training comparison (needs torch and scikit-learn; skipped with a note
+otherwise): scikit-learn's bundled digits (no download), the training split written as a
+real kvdata dataset in class-sorted shards of 16 samples; a small MLP (torch, CPU) trained
+data-parallel on 4 simulated nodes x 2 ranks (every step's batch is the concatenation of
+every rank's next batch, i.e. averaged gradients), each rank's indices from the real
+ShardShuffleSampler: global order vs locality at exchange 0 / 0.1 / 0.3, and a uniformly
+random permutation for reference; final test accuracy over 3 seeds.
+
+    python bench/shuffle_quality.py                          # print the tables (~1 minute)
+    python bench/shuffle_quality.py --write docs/SHUFFLE.md  # and update the tables there
     python bench/shuffle_quality.py --quick --json out.json  # one epoch per row; numbers as JSON
+    python bench/shuffle_quality.py --no-train               # numpy only: no training
 """
 
 from __future__ import annotations
@@ -26,7 +40,9 @@ import argparse
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, machine_line, md_table, replace_block, write_json  # noqa: E402
 
 BEGIN, END = "<!-- shuffle_quality:begin -->", "<!-- shuffle_quality:end -->"
+TRAIN_BEGIN, TRAIN_END = "<!-- shuffle_training:begin -->", "<!-- shuffle_training:end -->"
 
 
 def distinct_per_batch(labels_in_order: np.ndarray, batch: int) -> np.ndarray:
@@ -48,9 +65,19 @@ def distinct_per_batch(labels_in_order: np.ndarray, batch: int) -> np.ndarray:
 def same_shard_pairs_together(sample_shards: np.ndarray, order: np.ndarray, batch: int) -> float:
     """Fraction of same-shard sample pairs that land in the same batch (layout-independent:
     it says how tied a sample's batch-mates are to its shard)."""
-    nb = -(-len(order) // batch)
-    bid = np.empty(len(order), dtype=np.int64)
-    bid[order] = np.arange(len(order)) // batch
+    return same_shard_pairs_in([order], sample_shards, batch)
+
+
+def same_shard_pairs_in(shares: list[np.ndarray], sample_shards: np.ndarray, batch: int) -> float:
+    """same_shard_pairs_together over several ranks' shares (a permutation together), each
+    cut into its own batches."""
+    n = sum(len(x) for x in shares)
+    bid = np.empty(n, dtype=np.int64)
+    first = 0
+    for x in shares:
+        bid[x] = first + np.arange(len(x)) // batch
+        first += -(-len(x) // batch)
+    nb = first
     shards = sample_shards.astype(np.int64)
     together = np.bincount(shards * nb + bid)
     per_shard = np.bincount(shards)
@@ -100,7 +127,170 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
         float(np.mean([same_shard_pairs_together(sample_shards, p, args.batch) for p in perms]))))
     info = {"n": n, "shards": len(groups.shard_ids), "batches": args.epochs * (n // args.batch),
             "expected": expected_random(args.classes, args.per_class, args.batch), "plan_s": plan_s}
+    info["locality"] = measure_locality(args, groups, sample_shards, layouts)
     return rows, info
+
+
+LocRow = tuple[str, list[tuple[float, int]], float, float]
+
+
+def measure_locality(args: argparse.Namespace, groups: om.ShardGroups, sample_shards: np.ndarray,
+                     layouts: list[np.ndarray]) -> list[LocRow]:
+    """The global order on nodes x 1 rank vs the locality order at each exchange: the same
+    per-rank batch measures, and the fraction of a node's shards it also read the epoch before."""
+    rows = []
+    nodes, w = args.nodes, args.locality_window
+    epochs = max(2, args.epochs)  # "read the epoch before" needs two
+    for exchange in [None, *args.exchanges]:
+        cells: list[list[np.ndarray]] = [[] for _ in layouts]
+        pairs, kept = [], []
+        before: list[set[int]] | None = None
+        for e in range(epochs):
+            if exchange is None:
+                order = om.epoch_order(groups, args.seed, e, window=w)
+                shares = [om.rank_share(order, r, nodes, False) for r in range(nodes)]
+            else:
+                shares = list(om.locality_shares(groups, args.seed, e, nodes, nodes, exchange, window=w))
+            for c, lab in zip(cells, layouts):
+                c.extend(distinct_per_batch(lab[x], args.batch) for x in shares)
+            pairs.append(same_shard_pairs_in(shares, sample_shards, args.batch))
+            now = [set(np.unique(sample_shards[x]).tolist()) for x in shares]
+            if before is not None:
+                kept.extend(len(a & b) / len(a) for a, b in zip(now, before))
+            before = now
+        name = f"global order, {nodes} ranks" if exchange is None else f"locality, exchange {exchange:g}"
+        rows.append((name, [(float(np.mean(d)), int(np.min(d))) for d in map(np.concatenate, cells)],
+                     float(np.mean(pairs)), float(np.mean(kept))))
+    return rows
+
+
+def locality_table(rows: list[LocRow]) -> str:
+    return md_table(["sampler", "class-sorted shards: mean (min)", "random-order shards: mean (min)",
+                     "same-shard pairs in one batch", "a node's shards also read the epoch before"],
+                    [[name, *(f"{m:.1f} ({lo})" for m, lo in cells), f"{100 * pairs:.3g}%", f"{100 * kept:.0f}%"]
+                     for name, cells, pairs, kept in rows]).rstrip("\n")
+
+
+# ---------------------------------------------------------------- a real training comparison
+
+def write_digits(path: Path, x: np.ndarray, y: np.ndarray, shard: int) -> Any:
+    """The training split as a kvdata dataset in class-sorted shards of `shard` samples."""
+    import kvdata
+
+    order = np.argsort(y, kind="stable")
+    with kvdata.open(path, "w") as s:
+        for a in range(0, len(order), shard):
+            s.put_many((f"d{i:05d}", {"x": x[i], "y": int(y[i])}) for i in order[a:a + shard].tolist())
+            s.seal()
+            s.commit()
+    return kvdata.open(path)
+
+
+def train_once(xs: np.ndarray, ys: np.ndarray, xt: np.ndarray, yt: np.ndarray,
+               epoch_shares: Callable[[int], list[np.ndarray]], args: argparse.Namespace, seed: int) -> list[float]:
+    """Data-parallel SGD: each step's batch is every rank's next `batch` samples; returns the
+    test accuracy after each of args.train_epochs epochs (one run, evaluated on the way)."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    x_all, y_all = torch.from_numpy(xs), torch.from_numpy(ys)
+    b = args.train_batch
+    accs = []
+    for e in range(max(args.train_epochs)):
+        shares = epoch_shares(e)
+        steps = min(len(x) for x in shares) // b
+        for k in range(steps):
+            idx = torch.from_numpy(np.concatenate([x[k * b:(k + 1) * b] for x in shares]).astype(np.int64))
+            loss = torch.nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if e + 1 in args.train_epochs:
+            with torch.no_grad():
+                pred = model(torch.from_numpy(xt)).argmax(1).numpy()
+            accs.append(float((pred == yt).mean()))
+    return accs
+
+
+def measure_training(args: argparse.Namespace) -> tuple[list[tuple[str, list[list[float]]]], dict] | str:
+    """Final test accuracy per sampler and seed, or why it could not run."""
+    try:
+        import torch  # noqa: F401
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        from kvdata.reader.sampler import ShardShuffleSampler
+    except ImportError as e:
+        return f"training comparison skipped: {e} (pip install -e '.[test]')"
+    import tempfile
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    xs, xt, ys, yt = train_test_split(x, y, test_size=0.3, random_state=0, stratify=y)
+    nodes, per_node = args.nodes, args.train_ranks_per_node
+    world = nodes * per_node
+    results: list[tuple[str, list[list[float]]]] = []
+    with tempfile.TemporaryDirectory(prefix="kvdata-shuffle-") as tmp:
+        ds = write_digits(Path(tmp) / "digits.kv", xs, ys, args.train_shard)
+        try:
+            n = len(ds.sample_shards)
+            info = {"train": n, "test": len(yt), "shards": int(len(np.unique(ds.sample_shards))),
+                    "world": world, "nodes": nodes}
+            # the dataset's record order is class-sorted: sample i of the dataset is stored record i
+            keys = [ds.key_at(i) for i in range(n)]
+            rows = np.array([int(k[1:]) for k in keys])
+            xs_ds, ys_ds = xs[rows], ys[rows]
+            # the control row shows the comparison can tell a poor order: no shuffle at all, each
+            # rank a contiguous class-sorted slice
+            configs: list[tuple[str, Any]] = [("uniformly random permutation", None),
+                                              (f"control: stored order, no shuffle ({world} ranks)",
+                                               {"shuffle": False}),
+                                              (f"global order ({world} ranks)", {})]
+            configs += [(f"locality, exchange {ex:g}", {"locality": True, "exchange": ex, "nodes": nodes})
+                        for ex in args.exchanges_train]
+            for name, kw in configs:
+                accs = []
+                for seed in range(args.train_seeds):
+                    if kw is None:
+                        def shares_of(e: int, seed: int = seed) -> list[np.ndarray]:
+                            p = np.random.default_rng([seed, e]).permutation(n)
+                            return [p[r::world] for r in range(world)]
+                    else:
+                        samplers = [ShardShuffleSampler(ds, seed=seed, window=args.train_window, rank=r,
+                                                        world_size=world, **kw) for r in range(world)]
+
+                        def shares_of(e: int, samplers: list = samplers) -> list[np.ndarray]:
+                            return [s.indices(e) for s in samplers]
+                    accs.append(train_once(xs_ds, ys_ds, xt, yt, shares_of, args, seed))
+                results.append((name, accs))
+        finally:
+            ds.close()
+    return results, info
+
+
+def training_body(res: tuple[list[tuple[str, list[list[float]]]], dict] | str, args: argparse.Namespace) -> str:
+    if isinstance(res, str):
+        return res
+    results, info = res
+
+    def cell(a: np.ndarray) -> str:
+        return f"{100 * a.mean():.1f}% ({100 * a.min():.1f}-{100 * a.max():.1f})"
+    table_ = md_table(["sampler", *(f"test accuracy after {e} epochs: mean (min-max)" for e in args.train_epochs)],
+                      [[name, *(cell(np.asarray(a)[:, j]) for j in range(len(args.train_epochs)))]
+                       for name, a in results]).rstrip("\n")
+    return "\n".join([
+        f"scikit-learn digits: {info['train']:,} training samples written as a kvdata dataset in "
+        f"{info['shards']} class-sorted shards of {args.train_shard}, {info['test']} test samples. "
+        f"MLP 64-64-10, SGD (lr {args.lr}, momentum 0.9), "
+        f"{info['nodes']} nodes x {args.train_ranks_per_node} ranks, {args.train_batch} samples per rank per step "
+        f"({info['world'] * args.train_batch} per step), window {args.train_window}; seeds 0-{args.train_seeds - 1} "
+        "(the sampler's seed and the model's), each run evaluated after the epochs named.",
+        "",
+        table_,
+    ])
 
 
 def table(rows: list[Row]) -> str:
@@ -120,19 +310,24 @@ def body(rows: list[Row], info: dict, args: argparse.Namespace, command: str) ->
         "",
         table(rows),
         "",
+        f"The locality sampler: {args.nodes} nodes x 1 rank, window {args.locality_window}, per-rank "
+        f"batches of {args.batch} ({max(2, args.epochs)} epochs).",
+        "",
+        locality_table(info["locality"]),
+        "",
         f"Produced by `{command}`.",
     ])
 
 
-def write(path: Path, text: str) -> None:
-    """Replace the BEGIN ... END block of a markdown file with text (a new file if there is none)."""
+def write(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the begin ... end block of a markdown file with text (a new file if there is none)."""
     if path.exists():
         try:
-            doc = replace_block(path.read_text(), BEGIN, END, text)
+            doc = replace_block(path.read_text(), begin, end, text)
         except (KeyError, ValueError) as e:
             raise SystemExit(f"{path}: {e}") from None
     else:
-        doc = "# Shuffle quality\n\n" + BEGIN + "\n" + text + "\n" + END + "\n"
+        doc = "# Shuffle quality\n\n" + begin + "\n" + text + "\n" + end + "\n"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(doc)
     tmp.replace(path)
@@ -150,6 +345,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--write", type=Path, metavar="MD", help="replace the table block in this markdown file")
     p.add_argument("--quick", action="store_true", help="one epoch per row (instead of --epochs)")
     p.add_argument("--json", type=Path, help="also write the rows (and the markdown report) here")
+    p.add_argument("--nodes", type=int, default=4, help="nodes of the locality rows and the training")
+    p.add_argument("--exchanges", type=float, nargs="+", default=[0.0, 0.1, 0.3], help="locality rows")
+    p.add_argument("--locality-window", type=int, default=8)
+    p.add_argument("--no-train", action="store_true", help="skip the training comparison")
+    p.add_argument("--exchanges-train", type=float, nargs="+", default=[0.0, 0.1, 0.3])
+    p.add_argument("--train-seeds", type=int, default=3)
+    p.add_argument("--train-epochs", type=int, nargs="+", default=[5, 20], help="report accuracy after these")
+    p.add_argument("--train-ranks-per-node", type=int, default=2)
+    p.add_argument("--train-batch", type=int, default=4, help="samples per rank per step")
+    p.add_argument("--train-shard", type=int, default=16, help="samples per class-sorted shard")
+    p.add_argument("--train-window", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05)
     args = p.parse_args(argv)
     if args.quick:
         args.epochs = 1
@@ -159,10 +366,18 @@ def main(argv: list[str] | None = None) -> None:
         " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     text = body(rows, info, args, command)
     print(BEGIN + "\n" + text + "\n" + END)
+    train_text = None
+    if not args.no_train:
+        t1 = time.perf_counter()
+        res = measure_training(args)
+        train_text = training_body(res, args) + f"\n\nProduced by `{command}` ({time.perf_counter() - t1:.0f}s)."
+        print("\n" + TRAIN_BEGIN + "\n" + train_text + "\n" + TRAIN_END)
     seconds = time.perf_counter() - t0
     print(f"\n({seconds:.1f}s; slowest epoch plan {info['plan_s']:.2f}s)", file=sys.stderr)
     if args.write is not None:
         write(args.write, text)
+        if train_text is not None:
+            write(args.write, train_text, TRAIN_BEGIN, TRAIN_END)
     if args.json is not None:
         machine = machine_info(("numpy", "kvdata"))
         write_json(args.json, {
@@ -170,7 +385,11 @@ def main(argv: list[str] | None = None) -> None:
             "rows": [{"window": name, "class_sorted_mean": cells[0][0], "class_sorted_min": cells[0][1],
                       "random_order_mean": cells[1][0], "random_order_min": cells[1][1], "same_shard_pairs": pairs}
                      for name, cells, pairs in rows],
-            "markdown": f"## kvdata shuffle_quality ({machine_line(machine)})\n\n{text}\n"})
+            "locality_rows": [{"sampler": name, "class_sorted_mean": cells[0][0], "random_order_mean": cells[1][0],
+                               "same_shard_pairs": pairs, "node_shards_kept": kept}
+                              for name, cells, pairs, kept in info["locality"]],
+            "markdown": f"## kvdata shuffle_quality ({machine_line(machine)})\n\n{text}\n"
+                        + (f"\n{train_text}\n" if train_text else "")})
 
 
 if __name__ == "__main__":
