@@ -9,6 +9,9 @@ shards, and every rank gets the same number of samples.
 
 Everything is vectorized except one small loop per window (thousands, not
 millions, of iterations), so a 100M-sample epoch plans in seconds.
+
+For many nodes, locality_shares gives each node a stable, slowly rotating part of the
+shards instead of a fresh 1/nodes every epoch (see the section below and docs/SHUFFLE.md).
 """
 
 from __future__ import annotations

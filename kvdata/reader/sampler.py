@@ -180,7 +180,14 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`: the rest of the epoch is identical to an uninterrupted run."""
+        """Continue from `state`: the rest of the epoch is identical to an uninterrupted run.
+
+        With locality=True the state may come from another world (more or fewer nodes or
+        ranks; every rank loads rank 0's state): this world then reads every sample of the
+        epoch the saved world had not read, exactly once (plus padding of fewer than
+        world_size, or minus a drop_last remainder), in equal counts per rank, each node its
+        own part of the shards. That epoch yields fewer than len(self) samples; the next is whole.
+        """
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"sampler state version {state.get('version')} is not {STATE_VERSION}")
         if bool(state.get("locality", False)) != self.locality:
