@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvdata import order as om
 from kvdata.reader.sampler import ShardShuffleSampler, _node_identity
@@ -390,3 +392,47 @@ def test_plans_10m_samples_quickly(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print(f"\n[locality plan 10M samples / 1000 shards, 16 nodes x 8 ranks] {dt:.2f}s")
     assert dt < 2.0
+
+
+# ---------------------------------------------------------------- any layout, any worlds
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(1, 30), min_size=0, max_size=30), seed=st.integers(0, 2**32),
+       epoch=st.integers(0, 500), exchange=st.sampled_from([0.0, 0.1, 0.3, 1.0]),
+       worlds=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3), st.floats(0, 1)), min_size=1, max_size=3),
+       drop_last=st.booleans())
+def test_locality_shares_cover_the_rest_of_the_epoch_once(counts, seed, epoch, exchange, worlds, drop_last) -> None:
+    """A chain of worlds in one epoch, each reading part of its share: together they read every
+    sample at most once apart from the padding, and without drop_last every sample."""
+    g = om.group_by_shard(np.repeat(np.arange(len(counts)), counts))
+    n = g.num_samples
+    history: list[tuple[int, int, int]] = []
+    read: list[int] = []
+    for i, (nodes, per_node, frac) in enumerate(worlds):
+        world = nodes * per_node
+        shares = om.locality_shares(g, seed, epoch, nodes, world, exchange, window=3, drop_last=drop_last,
+                                    history=tuple(history))
+        left = n - len(set(read))
+        assert shares.shape == (world, om.samples_per_rank(left, world, drop_last))
+        flat = shares.ravel().tolist()
+        assert not set(flat) & set(read)                                   # nothing read twice
+        if drop_last:
+            assert len(set(flat)) == len(flat) and left - len(flat) < world
+        else:
+            assert set(flat) | set(read) == set(range(n)) and len(flat) - left < world
+        last = i == len(worlds) - 1
+        pos = shares.shape[1] if last else int(frac * shares.shape[1])
+        read += shares[:, :pos].ravel().tolist()
+        history.append((nodes, world, pos))
+    if not drop_last:
+        assert set(read) == set(range(n))
+
+
+def test_empty_and_tiny_datasets() -> None:
+    for counts in ([], [1], [2, 1]):
+        ds = Shards(counts)
+        n = len(ds)
+        ss = samplers(ds, 3, 2, seed=0)
+        shares = run_epoch(ss, 0)
+        assert all(len(x) == om.samples_per_rank(n, 6, False) for x in shares)
+        assert set(itertools.chain(*shares)) == set(range(n))
