@@ -207,17 +207,26 @@ def node_of_shards(groups: ShardGroups, seed: int, epoch: int, nodes: int, excha
         last = -((phase - era * _PHASE) // rate)      # first epoch of that era: ceil((era - phi) / r)
     # group by the epoch of the last re-draw (about 1/r + 1 groups). Each group is split as a
     # whole, as it was on the epoch it was drawn, and its members that have not been re-drawn
-    # since keep their node from that split (re-splitting only the rest would move them all)
+    # since keep their node from that split (re-splitting only the rest would move them all).
+    # The group drawn at epoch d is the shards with (d * r + phase) mod 1 < r: an interval of
+    # phases, found by bisection, so the work is linear in the shards whatever the rate
+    by_phase = np.argsort(phase, kind="stable")
+    sorted_phase = phase[by_phase]
     drawn = np.zeros(k, dtype=np.int64)
-    for e_last in np.unique(last).tolist():
-        if rate == 0:
+    by_last = np.argsort(last, kind="stable")
+    cuts = np.flatnonzero(np.diff(last[by_last])) + 1
+    for members in np.split(by_last, cuts):
+        e_last = int(last[members[0]])
+        if rate in (0, _PHASE):
             group = np.arange(k)
         else:
-            group = np.flatnonzero((e_last * rate + phase) // _PHASE != ((e_last - 1) * rate + phase) // _PHASE)
+            lo = (-e_last * rate) % _PHASE
+            spans = [(lo, min(lo + rate, _PHASE))] + ([(0, lo + rate - _PHASE)] if lo + rate > _PHASE else [])
+            group = np.sort(np.concatenate([by_phase[np.searchsorted(sorted_phase, a):np.searchsorted(sorted_phase, b)]
+                                            for a, b in spans]))
         # in the order the group's shards will be re-drawn again (the furthest into their era first)
         group = group[np.argsort(-((e_last * rate + phase[group]) % _PHASE), kind="stable")]
         drawn[group] = _striped_split(groups.counts[group], nodes, _seeded(seed, _SALT_GROUP, nodes, rate, e_last))
-        members = last == e_last
         out[members] = drawn[members]
     return out
 
