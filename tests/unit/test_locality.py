@@ -436,3 +436,35 @@ def test_empty_and_tiny_datasets() -> None:
         shares = run_epoch(ss, 0)
         assert all(len(x) == om.samples_per_rank(n, 6, False) for x in shares)
         assert set(itertools.chain(*shares)) == set(range(n))
+
+
+def test_a_real_dataset_through_dataloaders(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks read a real kvdata dataset through DataLoaders: every record once per
+    epoch, the record read is the one the index names; shuffle=False too."""
+    import torch.utils.data
+
+    import kvdata
+
+    path = tmp_path / "ds.kv"
+    with kvdata.open(path, "w") as w:
+        for j in range(20):
+            w.put_many((f"k{10 * j + i:04d}", {"x": np.full(8, 10 * j + i, dtype=np.int32), "i": 10 * j + i})
+                       for i in range(10))
+            w.seal()
+            w.commit()
+    ds = kvdata.Dataset(path)
+    assert np.bincount(np.asarray(ds.sample_shards)).tolist() == [10] * 20
+    for shuffle in (True, False):
+        ss = samplers(ds, 2, 2, seed=4, window=2, shuffle=shuffle)
+        for e in (0, 1):
+            got = []
+            for s in ss:
+                s.set_epoch(e)
+                dl = torch.utils.data.DataLoader(ds, sampler=s, batch_size=8, collate_fn=kvdata.collate)
+                mine = []
+                for batch in dl:
+                    assert (batch["x"] == batch["i"][:, None].to(batch["x"].dtype)).all()
+                    mine += batch["i"].tolist()
+                assert mine == list(s) and len(mine) == len(s) == 50
+                got += mine
+            assert sorted(got) == list(range(200))
