@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import multiprocessing
 import os
 import time
@@ -37,6 +38,7 @@ from ..reader.open import open_dataset
 from .common import summary
 
 BATCH_ROWS = 256          # rows read, converted and decoded at a time
+REGION_BYTES = 64 << 20   # decoded pixels of one batch that workers hand over in shared memory
 MAX_BAD_LISTED = 1000     # bad records a summary lists (all are counted)
 EXTRA_KEY = "import"      # the manifest key (Manifest.extra) that records the source's split and schema
 DECODE_MODES = ("none", "rgb", "gray")
@@ -671,21 +673,51 @@ def decode_image(data: bytes, decode: str) -> np.ndarray:
     return np.ascontiguousarray(pixels)
 
 
-def _decode_row(task: tuple[str, tuple[tuple[str, Any], ...]]) -> dict[str, Any] | str:
-    """The decoded image fields of one row, or why one cannot be decoded (workers never raise
-    for bad input: the parent decides whether it fails the import)."""
-    decode, imgs = task
-    out: dict[str, Any] = {}
-    for name, data in imgs:
-        try:
-            out[name] = decode_image(data, decode)
-        except InvalidValueError as e:
-            return f"column {name!r}: {e}"
+class _InRing(NamedTuple):
+    """Decoded pixels a worker wrote into the shared ring: where, and the array's shape."""
+
+    offset: int
+    shape: tuple[int, ...]
+
+
+# The shared ring of a pool worker process, set by the pool's initializer in that process only.
+_worker_ring: mmap.mmap | None = None
+
+
+def _init_worker(ring: mmap.mmap | None) -> None:
+    global _worker_ring
+    _worker_ring = ring
+
+
+def _decode_chunk(task: tuple[str, int, int, list[tuple[tuple[str, Any], ...]]]) -> list[dict[str, Any] | str]:
+    """Decode the images of some rows: per row its decoded fields, or why one cannot be decoded
+    (bad input never raises: the parent decides whether it fails the import). Pixels go into
+    the ring's [start, start + size) while they fit, the rest travel back pickled."""
+    decode, pos, size, rows = task
+    end = pos + size
+    ring = _worker_ring
+    out: list[dict[str, Any] | str] = []
+    for imgs in rows:
+        fields: dict[str, Any] | str = {}
+        for name, data in imgs:
+            try:
+                px = decode_image(data, decode)
+            except InvalidValueError as e:
+                fields = f"column {name!r}: {e}"
+                break
+            assert isinstance(fields, dict)
+            if ring is not None and pos + px.nbytes <= end:
+                np.frombuffer(ring, np.uint8, px.nbytes, pos)[:] = px.reshape(-1)
+                fields[name] = _InRing(pos, px.shape)
+                pos += -(-px.nbytes // 64) * 64
+            else:
+                fields[name] = px
+        out.append(fields)
     return out
 
 
 class _Done(NamedTuple):
-    """Decoded results computed in-process (the same interface as an AsyncResult)."""
+    """Decoded results computed in-process (the interface of the pool's pending results)."""
 
     value: list[dict[str, Any] | str]
 
@@ -693,20 +725,67 @@ class _Done(NamedTuple):
         return self.value
 
 
-def _submit(pool: Any, decode: str, tasks: list[tuple[tuple[str, Any], ...]], workers: int) -> Any:
-    work = [(decode, t) for t in tasks]
-    if pool is None or not any(tasks):
-        return _Done([_decode_row(w) if w[1] else {} for w in work])
-    return pool.map_async(_decode_row, work, chunksize=max(1, len(work) // (workers * 4)))
+class _Pending:
+    """A batch the pool is decoding; get() waits and returns its rows' fields, pixels that
+    came through the ring as views of it (valid until the region is decoded into again)."""
+
+    def __init__(self, handle: Any, ring: mmap.mmap | None) -> None:
+        self.handle, self.ring = handle, ring
+
+    def get(self) -> list[dict[str, Any] | str]:
+        ring = self.ring
+        out: list[dict[str, Any] | str] = []
+        for chunk in self.handle.get():
+            for fields in chunk:
+                if isinstance(fields, dict) and ring is not None:
+                    fields = {name: np.frombuffer(ring, np.uint8, int(np.prod(v.shape)), v.offset).reshape(v.shape)
+                              if isinstance(v, _InRing) else v for name, v in fields.items()}
+                out.append(fields)
+        return out  # the only references to the views: the caller puts them and lets go
 
 
-def _make_pool(workers: int) -> Any:
-    """A fork pool for workers >= 2 (None: decode in-process), made before the store opens, so
-    children inherit no LMDB handle or writer lock."""
-    if workers <= 1:
-        return None
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else None).Pool(workers)
+class Decoder:
+    """Decodes each batch's images: in-process (workers <= 1), or by a fork pool that writes
+    pixels into an anonymous shared mapping made before the fork, so they cross processes as
+    (offset, shape) instead of pickles. The mapping has two REGION_BYTES regions: workers
+    decode batch k + 1 into one while the parent puts batch k from the other; it has no name
+    (no /dev/shm entry) and goes with the last process that maps it. Made before the store
+    opens, so children inherit no LMDB handle or writer lock."""
+
+    def __init__(self, workers: int, decode: str) -> None:
+        self.workers, self.decode, self.turn = workers, decode, 0
+        self.pool: Any = None
+        self.ring: mmap.mmap | None = None
+        if workers <= 1:
+            return
+        ctx: Any = multiprocessing.get_context()
+        if "fork" in multiprocessing.get_all_start_methods():
+            self.ring = mmap.mmap(-1, 2 * REGION_BYTES)
+            ctx = multiprocessing.get_context("fork")
+        # else spawn cannot hand the mapping over: results are pickled
+        self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(self.ring,))
+
+    def submit(self, tasks: list[tuple[tuple[str, Any], ...]]) -> _Done | _Pending:
+        """Start decoding one batch (one tuple of (column, bytes) per row; empty: no image)."""
+        if self.pool is None or not any(tasks):
+            return _Done([_decode_chunk((self.decode, 0, 0, [t]))[0] if t else {} for t in tasks])
+        n = self.workers * 2
+        per = -(-len(tasks) // n)
+        size = (REGION_BYTES // n) // 64 * 64
+        base = (self.turn % 2) * REGION_BYTES
+        self.turn += 1
+        work = [(self.decode, base + j * size, size, tasks[j * per:(j + 1) * per]) for j in range(n)]
+        return _Pending(self.pool.map_async(_decode_chunk, [w for w in work if w[3]], chunksize=1), self.ring)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+        if self.ring is not None:
+            try:
+                self.ring.close()
+            except BufferError:  # a caller still holds a view; the mapping goes with it
+                pass
 
 
 # ---------------------------------------------------------------- writing
@@ -743,7 +822,7 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
     sniff = {c.name for c in plan.columns if c.kind == BYTES and c.name not in images}
     kinds: dict[str, str] = {c.name: c.kind for c in plan.columns}
     n = 0
-    pool = _make_pool(int(workers))
+    decoder = Decoder(int(workers), decode)
     bar: Any = None
 
     def put(store: Any, rows: list[Row], decoded: list[dict[str, Any] | str]) -> None:
@@ -788,7 +867,7 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
                     rows, tasks = _convert(batch, plan, src, first, (row_base if kind == "hf" else 0) + first,
                                            key_base, decode)
                     first += batch.num_rows
-                    handle = _submit(pool, decode, tasks, int(workers))
+                    handle = decoder.submit(tasks)
                     if waiting is not None:
                         put(store, waiting[0], waiting[1].get())
                     waiting = (rows, handle)
@@ -806,9 +885,7 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
     finally:
         if bar is not None:
             bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        decoder.close()
     out = summary(dataset, n, len(bad), len(plan.classes) if plan.classes is not None else len(labels), started)
     out["bad"] = [{"key": k, "where": w, "error": e} for k, w, e in bad[:MAX_BAD_LISTED]]
     out["records_per_s"] = round(n / max(time.perf_counter() - started, 1e-9), 1)

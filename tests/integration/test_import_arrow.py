@@ -147,21 +147,26 @@ def test_parquet_round_trip_record_for_record(parquet_dir: Path, tmp_path: Path)
         assert extra["rows"] == 340
 
 
-def test_parquet_generated_keys_columns_subset_and_images_decoded(parquet_dir: Path, tmp_path: Path) -> None:
-    from kvdata.importers.arrow import import_parquet
+def test_parquet_generated_keys_columns_subset_and_images_decoded(parquet_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvdata.importers import arrow
 
     f = parquet_dir / "part-0.parquet"
-    for workers in (0, 2):
-        summary = import_parquet([f], tmp_path / f"w{workers}", columns=["png", "f32"], decode="rgb",
-                                 workers=workers, progress=False)
+    for name, workers, region in (("w0", 0, None), ("w2", 2, None), ("w2-pickled", 2, 256)):
+        if region is not None:  # pixels that do not fit the workers' shared ring come back pickled
+            monkeypatch.setattr(arrow, "REGION_BYTES", region)
+        summary = arrow.import_parquet([f], tmp_path / name, columns=["png", "f32"], decode="rgb",
+                                       workers=workers, progress=False)
         assert summary["imported"] == 300 and summary["key"] is None and summary["label"] is None
     want = _rows(f)
-    with kvdata.open(tmp_path / "w0") as a, kvdata.open(tmp_path / "w2") as b:
-        assert list(a.keys()) == list(b.keys()) == [f"part-0/{i:09d}" for i in range(300)]
+    with kvdata.open(tmp_path / "w0") as a, kvdata.open(tmp_path / "w2") as b, \
+            kvdata.open(tmp_path / "w2-pickled") as c:
+        assert list(a.keys()) == list(b.keys()) == list(c.keys()) == [f"part-0/{i:09d}" for i in range(300)]
         for i, row in enumerate(want):
-            ra, rb = a[i], b[i]
+            ra, rb, rc = a[i], b[i], c[i]
             assert list(ra) == ["png", "f32"] and ra["f32"] == row["f32"]  # in --columns order
-            assert np.array_equal(ra["png"], _pixels(row["png"])) and np.array_equal(rb["png"], ra["png"])
+            assert np.array_equal(ra["png"], _pixels(row["png"]))
+            assert np.array_equal(rb["png"], ra["png"]) and np.array_equal(rc["png"], ra["png"])
         assert (a.labels == fmt.NO_LABEL).all()
 
 
@@ -306,9 +311,10 @@ def test_corrupt_image_fails_all_or_nothing_or_is_skipped_by_key(tmp_path: Path)
                              workers=2, progress=False)
     assert summary["imported"] == 599 and summary["skipped"] == 1
     assert summary["bad"][0]["key"] == "k450" and "Pillow" in summary["bad"][0]["error"]
-    with kvdata.open(tmp_path / "ds") as store:
-        assert len(store) == 600 and "k450" not in store and np.array_equal(store.get("k599")["img"],
-                                                                           _pixels(images[599]))
+    with kvdata.open(tmp_path / "ds") as store:  # 3 batches through the workers' two shared regions
+        assert len(store) == 600 and "k450" not in store
+        for i in (*range(450), *range(451, 600)):
+            assert np.array_equal(store.get(f"k{i}")["img"], _pixels(images[i])), i
 
 
 def test_lists_with_nulls_inside_or_ragged_rows_are_bad_records(tmp_path: Path) -> None:
