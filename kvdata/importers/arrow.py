@@ -14,6 +14,10 @@ while the parent -- the one writer -- puts batch k. The import is one commit at 
 a bad record fails it with nothing committed, or with skip_bad is left out and listed.
 
 pyarrow is imported only here, when an import runs; `datasets` is never needed to read.
+
+Workers pay off when decoding dominates: the parent still reads, converts and writes every
+row. On 2 shared cores, 2,000 images, --decode rgb: 64x64 PNGs 3.5-3.6k -> 3.8-4.2k images/s
+with --workers 2 instead of 1; 256x256 JPEGs 630-700 -> 920-940 images/s.
 """
 
 from __future__ import annotations
