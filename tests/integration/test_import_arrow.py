@@ -273,6 +273,37 @@ def test_hf_single_dataset_kept_bytes_key_column_and_subset(hf_saved: tuple[Path
         assert list(r) == ["image", "label"] and bytes(r["image"]) == _png(1003, 7, 4) and r["label"] == 1003 % 3
 
 
+def test_hf_folder_of_parquet_and_arrow_files_by_split(hf_saved: tuple[Path, Any], tmp_path: Path) -> None:
+    """The Hub's layout: data/<split>-*.parquet (HF features in the schema metadata), here next
+    to an Arrow IPC *file* (not the stream save_to_disk writes) holding more train rows."""
+    import datasets
+    import pyarrow as pa
+
+    from kvdata.importers.arrow import import_hf
+
+    root, features = hf_saved
+    dd = datasets.load_from_disk(str(root / "dd"))
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    dd["train"].select(range(100)).to_parquet(str(tmp_path / "hub" / "data" / "train-00000-of-00002.parquet"))
+    dd["test"].to_parquet(str(tmp_path / "hub" / "data" / "test-00000-of-00001.parquet"))
+    table = dd["train"].select(range(100, 150)).data.table
+    with pa.OSFile(str(tmp_path / "hub" / "data" / "train-00001-of-00002.arrow"), "wb") as sink, \
+            pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=30)
+    summary = import_hf(tmp_path / "hub", tmp_path / "ds", split="train", decode="rgb", progress=False)
+    assert summary["imported"] == 150 and summary["label"] == "label"
+    with kvdata.open(tmp_path / "ds") as store:
+        assert store.classes == HF_CLASSES
+        assert list(store.keys()) == [f"train/{i:09d}" for i in range(150)]
+        for i in range(150):
+            want, label = _hf_expected(i)
+            _same(store[i], want, f"row {i}")
+            assert store.labels[i] == label
+        assert datasets.Features.from_dict(json.loads(store.manifest.extra["import"]["features"])) == features
+    with pytest.raises(ConfigError, match="--split 'valid': no Parquet/Arrow file"):
+        import_hf(tmp_path / "hub", tmp_path / "none", split="valid", progress=False)
+
+
 # ---------------------------------------------------------------- bad input
 
 def test_not_parquet_and_unsupported_column_fail_before_writing(parquet_dir: Path, tmp_path: Path) -> None:
