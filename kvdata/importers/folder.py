@@ -6,6 +6,12 @@ dataset is opened, and the whole import is one commit at the end, so a failure
 midway (an image Pillow cannot read) leaves the dataset at its previous
 generation. Worker processes only read and decode files; the parent is the one
 writer, and ordered `imap` keeps the sample order a function of the seed alone.
+
+With workers > 1 and a new destination (missing or an empty directory), the one writer is
+the bottleneck, so each of the N workers decodes and writes a contiguous slice of the
+ordered items as its own part dataset and the parts are merged without copying
+(kvdata.importers.parts): same records, keys, labels and order as one writer, still all or
+nothing. Appending into a dataset that already exists keeps the single writer.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidValueError
 from ..reader.open import open_dataset
 from .common import summary
+from .parts import is_new_local, write_in_parts
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"})
 DECODE_MODES = ("none", "rgb", "gray")
@@ -65,9 +72,9 @@ def import_folder(src: str | os.PathLike[str], dataset: str | os.PathLike[str], 
     items, classes, skipped = scan_folder(root)
     if not items:
         raise ConfigError(f"{root}: no image files found ({', '.join(sorted(IMAGE_EXTENSIONS))}); check the path")
-    n = _write(items, dataset, opts, classes=classes, shuffle=shuffle, seed=seed, workers=workers,
-               shard_size=shard_size, compress=compress, progress=progress)
-    return summary(dataset, n, skipped, len(classes), started)
+    n, writers = _write(items, dataset, opts, classes=classes, shuffle=shuffle, seed=seed, workers=workers,
+                        shard_size=shard_size, compress=compress, progress=progress)
+    return {**summary(dataset, n, skipped, len(classes), started), "writers": writers}
 
 
 def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike[str], *,
@@ -88,9 +95,9 @@ def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike
     items = parse_listfile(listfile, base)
     if not items:
         raise ConfigError(f"{listfile}: the list file names no images; write one 'relative/path label' per line")
-    n = _write(items, dataset, opts, classes=None, shuffle=shuffle, seed=seed, workers=workers,
-               shard_size=shard_size, compress=compress, progress=progress)
-    return summary(dataset, n, 0, len({it.label for it in items}), started)
+    n, writers = _write(items, dataset, opts, classes=None, shuffle=shuffle, seed=seed, workers=workers,
+                        shard_size=shard_size, compress=compress, progress=progress)
+    return {**summary(dataset, n, 0, len({it.label for it in items}), started), "writers": writers}
 
 
 # ---------------------------------------------------------------- finding the files
@@ -231,19 +238,28 @@ def _values(items: list[Item], opts: Options, pool: Any, workers: int) -> Iterat
     return pool.imap(_load_task, tasks, chunksize=max(1, min(64, len(items) // (workers * 8))))
 
 
+def _context() -> Any:
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else None)
+
+
 def _make_pool(workers: int) -> Any:
     if workers <= 1:
         return None
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
-    return ctx.Pool(workers)
+    return _context().Pool(workers)
 
 
 def _write(items: list[Item], dataset: str | os.PathLike[str], opts: Options, *, classes: list[str] | None,
            shuffle: bool, seed: int, workers: int, shard_size: int | str | None, compress: bool,
-           progress: bool | None) -> int:
-    """Put every item and commit once; on any error nothing of this import is committed."""
+           progress: bool | None) -> tuple[int, int]:
+    """Put every item and commit once; on any error nothing of this import is committed.
+    Returns (records written, writer processes)."""
     items = _ordered(items, shuffle, seed)
+    if int(workers) > 1 and len(items) > 1 and is_new_local(dataset):
+        writers = min(int(workers), len(items))
+        n = write_in_parts(dataset, items, writers, _write_part, (opts, classes, shard_size, compress),
+                           ctx=_context(), progress=progress)
+        return n, writers
     pool = _make_pool(int(workers))  # before the store opens: children inherit no LMDB handle or lock
     bar = None
     try:
@@ -265,7 +281,24 @@ def _write(items: list[Item], dataset: str | os.PathLike[str], opts: Options, *,
         if pool is not None:
             pool.terminate()
             pool.join()
-    return len(items)
+    return len(items), 1
+
+
+def _write_part(part: str, items: list[Item], tick: Any, opts: Options, classes: list[str] | None,
+                shard_size: int | str | None, compress: bool) -> None:
+    """One parallel writer (a worker process): decode and put its slice into the new part
+    dataset `part`, sealed and committed once at the end."""
+    with open_dataset(part, "a", shard_size=shard_size, compress=compress) as store:
+        if classes is not None:
+            store.set_classes(classes)
+        for it in items:
+            value = load_value(it.path, opts)
+            if it.label is not None:
+                value["label"] = it.label
+            store.put(it.key, value, label=it.label)
+            tick()
+        store.seal()
+        store.commit()
 
 
 def _check_classes(store: Any, classes: list[str]) -> None:
