@@ -17,6 +17,7 @@ from PIL import Image
 import kvdata
 from kvdata.errors import InvalidValueError
 from kvdata.format import NO_LABEL, names
+from kvdata.importers import parts
 from kvdata.importers.folder import import_folder, import_listfile
 from kvdata.importers.parts import bounds
 from kvdata.reader.open import verify
@@ -178,3 +179,25 @@ def test_interrupt_removes_the_parts(tree: Path, tmp_path: Path) -> None:
             p.wait()
     assert p.returncode != 0 and b"interrupted" in err and b"Traceback" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_progress_bar_counts_the_writers(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's bar advances by the records the writer processes report, to the total."""
+    seen: list[tuple[int | None, bool | None, list[int]]] = []
+
+    class Bar:
+        def __init__(self, total: int | None, label: str, enabled: bool | None) -> None:
+            self.updates: list[int] = []
+            seen.append((total, enabled, self.updates))
+
+        def update(self, n: int = 1) -> None:
+            self.updates.append(n)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(parts, "make_progress", lambda total, label, enabled=None: Bar(total, label, enabled))
+    import_folder(tree, tmp_path / "ds", workers=2, progress=True)
+    [(total, enabled, updates)] = seen
+    assert total == sum(updates) == 3 * PER_CLASS + 1 and enabled is True
+    assert all(n >= 0 for n in updates)
