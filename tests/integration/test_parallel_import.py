@@ -3,6 +3,7 @@ part, merged without copying. Same records, keys, labels and order as one writer
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from helpers.cli import KVDATA, Cli
 from PIL import Image
 
 import kvdata
-from kvdata.errors import InvalidValueError
+from kvdata.errors import InvalidValueError, KVDataError
 from kvdata.format import NO_LABEL, names
 from kvdata.importers import parts
 from kvdata.importers.folder import import_folder, import_listfile
@@ -201,3 +202,16 @@ def test_progress_bar_counts_the_writers(tree: Path, tmp_path: Path, monkeypatch
     [(total, enabled, updates)] = seen
     assert total == sum(updates) == 3 * PER_CLASS + 1 and enabled is True
     assert all(n >= 0 for n in updates)
+
+
+def _die_on_second_part(part: str, items: list[int], tick: parts.Tick) -> None:
+    if items[0] != 0:
+        os._exit(3)  # a writer killed outright: no message to the parent, only EOF
+    time.sleep(0.2)
+
+
+def test_a_dead_writer_fails_the_import(tmp_path: Path) -> None:
+    with pytest.raises(KVDataError, match=r"import writer 1 \(items 2-3\) died with exit code 3"):
+        parts.write_in_parts(tmp_path / "ds", [0, 1, 2, 3], 2, _die_on_second_part, (),
+                             ctx=multiprocessing.get_context("fork"), progress=False)
+    assert os.listdir(tmp_path) == []
