@@ -99,6 +99,8 @@ def _run_part(target: Callable[..., None], part: str, items: Sequence[Any], args
             msg = ("err", KVDataError(f"{type(e).__name__}: {e}"))
     try:
         conn.send(msg)
+    except OSError:
+        pass  # the parent is gone (killed): nobody to tell, and its parts directory is left anyway
     finally:
         conn.close()
 
