@@ -43,7 +43,8 @@ def _parse_resize(value: str | None) -> tuple[int, int] | None:
 def _image_options(f: F) -> F:
     """How images are decoded and in what order they are written (folder and listfile)."""
     f = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Processes that read and decode images (0: in-process).")(f)
+                     help="Processes that read and decode images (0: in-process); into a new dataset, each "
+                          "also writes a part and the parts are merged (kvdata merge).")(f)
     f = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the shuffled write order.")(f)
     f = click.option("--shuffle/--no-shuffle", default=True, show_default=True,
                      help="Write records in a seeded random order, so every shard mixes classes.")(f)
