@@ -162,9 +162,12 @@ def test_interrupt_removes_the_parts(tree: Path, tmp_path: Path) -> None:
     Image.new("RGB", (1024, 1024), (9, 99, 199)).save(src / "a" / "0.png")
     for i in range(1, 3000):
         os.link(src / "a" / "0.png", src / "a" / f"{i}.png")
+    # SIGINT at its default in the child: a runner started in the background (a shell's `&`)
+    # ignores SIGINT, and Python then installs no KeyboardInterrupt handler in what it starts
     p = subprocess.Popen([KVDATA, "import", "folder", str(src), "ds", "--decode", "rgb", "--resize", "4x4",
                           "--workers", "2"],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while not any(".parts-" in n for n in os.listdir(tmp_path)) and p.poll() is None:
