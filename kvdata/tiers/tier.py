@@ -281,6 +281,7 @@ class Tier:
             if self._shared:  # others may list a shared tier: they need not read our data either
                 os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
+            _allocate(fd, size)
             return Reservation(tmp, fd)
         except BaseException:
             os.close(fd)
@@ -599,3 +600,17 @@ def _protected_hardlinks() -> int:
 
 
 TIER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO, errno.EPERM}
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Allocate the reserved bytes now (posix_fallocate), so that a full disk refuses the
+    reservation instead of failing copies midway: a sparse ftruncate alone reserves nothing on
+    tmpfs or ext4, and two copies racing for the room of one could then both fail halfway.
+    A filesystem that cannot allocate ahead (some NFS) keeps the sparse file."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
