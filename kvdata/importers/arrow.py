@@ -45,6 +45,7 @@ from ..reader.open import open_dataset
 from .arrow_sources import Plan, Source, batches, find_files, find_hf, plan_sources
 from .arrow_types import BYTES, IMAGE, INSTALL, BadValue, NoBytes, column_values
 from .common import summary
+from .records import max_workers
 
 REGION_BYTES = 64 << 20   # decoded pixels of one batch that workers hand over in shared memory
 MAX_BAD_LISTED = 1000     # bad records a summary lists (all are counted)
@@ -307,6 +308,8 @@ def _check_options(decode: str, workers: Any, shard_size: int | str | None, kind
         raise ConfigError(f"decode: must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
         raise ConfigError(f"workers: expected a count >= 0, got {workers!r}")
+    if workers > max_workers():
+        raise ConfigError(f"workers: {workers} is more than this machine can use; give at most {max_workers()}")
     if shard_size is not None:
         parse_size(shard_size, "shard_size")
     try:

@@ -41,6 +41,12 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"B
 MAX_BAD_LISTED = 1000
 
 
+def max_workers() -> int:
+    """The most worker processes an import starts: more than a few per core only costs memory,
+    and an unchecked count (`--workers 1000000000`) would fork until the machine runs out."""
+    return max(64, 4 * (os.cpu_count() or 1))
+
+
 class Loaded(NamedTuple):
     """A record ready to put."""
 
@@ -85,6 +91,8 @@ def check_common(decode: str, workers: Any, shard_size: int | str | None, instal
         raise ConfigError(f"decode: must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
         raise ConfigError(f"workers: expected a count >= 0, got {workers!r}")
+    if workers > max_workers():
+        raise ConfigError(f"workers: {workers} is more than this machine can use; give at most {max_workers()}")
     if shard_size is not None:
         parse_size(shard_size, "shard_size")
     if decode != "none":
