@@ -358,12 +358,14 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray
     own_lock_file = not os.path.lexists(dest / names.LOCK)
     lock = WriterLock(dest)  # refused while another merge builds it: then all of dest is left alone
     stage = dest / STAGING
-    ok = False
+    ok = made_stage = False
     try:
         _check_dest(dest)  # again, under the lock
-        if stage.exists():
-            shutil.rmtree(stage)  # a killed merge's staging: links and copies it made
-        (stage / names.SHARDS_DIR).mkdir(parents=True)
+        if os.path.lexists(stage):
+            _remove_stage(stage)  # a killed merge's staging: links and copies it made
+        stage.mkdir()
+        made_stage = True
+        (stage / names.SHARDS_DIR).mkdir()
         (stage / names.INDEX_DIR).mkdir()
         linked, copied, entries = _place_shards(parts, stage / names.SHARDS_DIR, progress)
         manifest = _write_index(parts, stage, hashes[order], order, entries, classes, fields, extra)
@@ -377,8 +379,9 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray
         ok = True
         stage.rmdir()
     finally:
-        if not ok:
+        if not ok and made_stage:
             shutil.rmtree(stage, ignore_errors=True)
+        if not ok:
             if own_lock_file:
                 unlink_quiet(dest / names.LOCK)  # dest is left as it was found
         lock.release()
@@ -390,6 +393,47 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray
     return {"dataset": str(dest), "generation": manifest.generation, "samples": manifest.count,
             "shards": len(manifest.shards), "bytes": sum(e.bytes for e in manifest.shards),
             "bytes_linked": linked, "bytes_copied": copied}
+
+
+def _remove_stage(stage: Path) -> None:
+    """Remove a killed merge's staging directory, but only if it holds nothing but what a merge
+    makes (shards/ of shard files, index/ of index files, the manifest): anything else is the
+    user's, so the merge is refused and nothing is removed."""
+    def own(path: Path, kind: str) -> bool:
+        st = os.lstat(path)
+        if kind == "dir":
+            return stat.S_ISDIR(st.st_mode)
+        return stat.S_ISREG(st.st_mode)
+
+    expected = {names.SHARDS_DIR: lambda n: names.parse_shard_name(n) is not None or names.is_zst_name(n),
+                names.INDEX_DIR: lambda n: names.is_index_name(n)}
+    files: list[Path] = []
+    dirs: list[Path] = []
+    stranger: str | None = None
+    if not own(stage, "dir"):
+        stranger = str(stage)
+    else:
+        for n in os.listdir(stage):
+            path = stage / n
+            if n in expected and own(path, "dir"):
+                dirs.append(path)
+                for m in os.listdir(path):
+                    if expected[n](m) and own(path / m, "file"):
+                        files.append(path / m)
+                    else:
+                        stranger = stranger or str(path / m)
+            elif (n == names.MANIFEST or n.startswith(names.MANIFEST + ".tmp")) and own(path, "file"):
+                files.append(path)
+            else:
+                stranger = stranger or str(path)
+    if stranger is not None:
+        raise NotADatasetError(f"{stranger} was not made by a merge (the merge's staging directory {stage} must hold "
+                               "only shards/, index/ and manifest.json); move it away, then merge again")
+    for f in files:
+        f.unlink()
+    for d in dirs:
+        d.rmdir()
+    stage.rmdir()
 
 
 def _place_shards(parts: list[_Part], shards_dir: Path, progress: bool | None) -> tuple[int, int, list[ShardEntry]]:

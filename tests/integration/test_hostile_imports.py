@@ -4,6 +4,7 @@ with one line naming it, and nothing the user owns is created or removed."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -46,3 +47,25 @@ def test_cli_huge_workers_one_line(tmp_path: Path) -> None:
     assert p.returncode != 0
     assert "workers" in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_merge_keeps_a_staging_directory_it_did_not_make(tmp_path: Path) -> None:
+    """Before: a user's directory named like merge's staging (`DEST/.kvdata-merge.tmp`) in an
+    otherwise empty DEST was removed with everything in it; now the merge is refused naming
+    the stranger file, and the file, the directory and DEST stay."""
+    import kvdata
+    from kvdata.errors import NotADatasetError
+    from kvdata.store.merge import STAGING, merge
+
+    part = tmp_path / "p0"
+    with kvdata.open(part, "a") as s:
+        s.put("k", b"x")
+        s.seal()
+        s.commit()
+    dest = tmp_path / "dest"
+    (dest / STAGING).mkdir(parents=True)
+    (dest / STAGING / "mine.txt").write_text("precious")
+    with pytest.raises(NotADatasetError, match="mine.txt"):
+        merge([part], dest)
+    assert (dest / STAGING / "mine.txt").read_text() == "precious"
+    assert sorted(os.listdir(dest)) == [STAGING]
