@@ -333,7 +333,16 @@ def _tombstone_keys(p: _Part) -> list[str]:
 
 
 def _check_shard_files(p: _Part) -> None:
-    """Every shard (and cold copy) the part names is a regular file of the recorded size."""
+    """The part's shards/ and index/ are real directories (not links: --move deletes in them),
+    and every shard (and cold copy) the part names is a regular file of the recorded size."""
+    for sub in (names.SHARDS_DIR, names.INDEX_DIR):
+        try:
+            st = os.lstat(p.root / sub)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise CorruptDatasetError(f"{p.root / sub} is not a directory of the part (a symbolic link?); "
+                                      f"put the part's files there and run `kvdata verify {p.root}`")
     for e in p.m.shards:
         for name, size in [(e.name, e.bytes)] + ([(e.zst.name, e.zst.bytes)] if e.zst else []):
             path = p.gen.shards_dir / name

@@ -69,3 +69,28 @@ def test_merge_keeps_a_staging_directory_it_did_not_make(tmp_path: Path) -> None
         merge([part], dest)
     assert (dest / STAGING / "mine.txt").read_text() == "precious"
     assert sorted(os.listdir(dest)) == [STAGING]
+
+
+def test_merge_refuses_a_part_whose_shards_directory_is_a_symlink(tmp_path: Path) -> None:
+    """Before: a part whose shards/ was a symlink to another directory was merged from there and,
+    with --move, the files were deleted through the link, then the committed merge exited 1
+    ("Not a directory"); now it is refused before anything is written, naming shards/."""
+    import shutil
+
+    import kvdata
+    from kvdata.errors import CorruptDatasetError
+    from kvdata.store.merge import merge
+
+    for i in range(2):
+        with kvdata.open(tmp_path / f"p{i}", "a") as s:
+            s.put(f"k{i}", b"x")
+            s.seal()
+            s.commit()
+    outside = tmp_path / "outside"
+    shutil.move(str(tmp_path / "p1" / "shards"), str(outside))
+    os.symlink(outside, tmp_path / "p1" / "shards")
+    before = sorted(os.listdir(outside))
+    with pytest.raises(CorruptDatasetError, match="shards"):
+        merge([tmp_path / "p0", tmp_path / "p1"], tmp_path / "m", move=True)
+    assert sorted(os.listdir(outside)) == before
+    assert not (tmp_path / "m").exists() and (tmp_path / "p0" / "manifest.json").exists()
