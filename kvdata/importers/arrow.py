@@ -398,7 +398,8 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
     out = summary(dataset, n, len(bad), len(plan.classes) if plan.classes is not None else len(labels), started)
     out["bad"] = [{"key": k, "where": w, "error": e} for k, w, e in bad[:MAX_BAD_LISTED]]
     out["records_per_s"] = round(n / max(time.perf_counter() - started, 1e-9), 1)
-    out["columns"] = {c.name: kinds[c.name] for c in plan.columns if c.name in plan.stored}
+    stored = set(plan.stored)
+    out["columns"] = {c.name: kinds[c.name] for c in plan.columns if c.name in stored}
     out["key"], out["label"], out["split"] = plan.key, plan.label, split
     return out
 

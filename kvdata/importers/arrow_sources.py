@@ -269,8 +269,9 @@ def plan_sources(srcs: list[Source], *, key: str | None, label: str | None, colu
         if plan is None:
             features = features if features is not None else _hf_features(schema)
             plan = _first_plan(src, schema, key=key, label=label, columns=columns, images=images, features=features)
+        present = set(names)  # a set: a file may have very many columns
         for col in plan.columns:
-            if col.name not in names:
+            if col.name not in present:
                 role = "the --key column" if col.name == plan.key else "the --label column" \
                     if col.name == plan.label else f"which {srcs[0].path} has"
                 raise ConfigError(f"{src.path}: has no column {col.name!r} ({role}); its columns are "
@@ -302,7 +303,8 @@ def _first_plan(src: Source, schema: Any, *, key: str | None, label: str | None,
         if name not in names:
             raise ConfigError(f"--image {name!r}: {src.path} has no such column; its columns are {_listed(names)}")
     stored = list(names) if columns is None else list(dict.fromkeys(columns))
-    missing = [c for c in stored if c not in names]
+    present = set(names)
+    missing = [c for c in stored if c not in present]
     if missing:
         raise ConfigError(f"--columns: {src.path} has no column {missing[0]!r}; its columns are {_listed(names)}")
     if not stored:
