@@ -39,18 +39,16 @@ import numpy as np
 
 from .. import format as fmt
 from .._util.progress import progress as make_progress
-from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
 from ..reader.open import open_dataset
 from .arrow_sources import Plan, Source, batches, find_files, find_hf, plan_sources
 from .arrow_types import BYTES, IMAGE, INSTALL, BadValue, NoBytes, column_values
 from .common import summary
-from .records import max_workers
+from .records import check_common
 
 REGION_BYTES = 64 << 20   # decoded pixels of one batch that workers hand over in shared memory
 MAX_BAD_LISTED = 1000     # bad records a summary lists (all are counted)
 EXTRA_KEY = "import"      # the manifest key (Manifest.extra) that records the source's split and schema
-DECODE_MODES = ("none", "rgb", "gray")
 # The formats Pillow may open: hostile bytes never reach its rarer decoders.
 PIL_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP")
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
@@ -304,23 +302,11 @@ class Decoder:
 
 def _check_options(decode: str, workers: Any, shard_size: int | str | None, kind: str) -> None:
     """Reject bad settings (and a missing pyarrow or Pillow) before any file is read."""
-    if decode not in DECODE_MODES:
-        raise ConfigError(f"decode: must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
-    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
-        raise ConfigError(f"workers: expected a count >= 0, got {workers!r}")
-    if workers > max_workers():
-        raise ConfigError(f"workers: {workers} is more than this machine can use; give at most {max_workers()}")
-    if shard_size is not None:
-        parse_size(shard_size, "shard_size")
+    check_common(decode, workers, shard_size, "pip install 'kvdata[images]'")
     try:
         import pyarrow  # noqa: F401
     except ImportError:
         raise ConfigError(f"`kvdata import {kind}` needs pyarrow; install it with `{INSTALL[kind]}`") from None
-    if decode != "none":
-        try:
-            import PIL.Image  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"decode={decode!r} needs Pillow; install it with `pip install 'kvdata[images]'`") from None
 
 
 def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, split: str | None, key: str | None,

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ChecksumMismatchError, KVDataError, RemoteError
 from ..format.codec import file_sha256
-from .home_base import READ_LIMIT, Home
+from .home_base import Home
 
 #: schemes that have a dedicated home (or are local paths): never routed through fsspec
 DEDICATED = frozenset({"s3", "s3a", "http", "https", "file", "local"})
@@ -85,15 +85,6 @@ class FsspecHome(Home):
         if length >= 0 and len(data) > length:
             raise RemoteError(f"{self.where(name)}: answered more than the {length} bytes asked for")
         return bytes(data)
-
-    def read(self, name: str, limit: int = READ_LIMIT) -> bytes:
-        size = self.size(name)
-        if size > limit:
-            raise RemoteError(f"{self.where(name)} has {size} bytes, more than the {limit}-byte limit for it")
-        data = self.read_range(name, 0, size)
-        if len(data) != size:
-            raise RemoteError(f"{self.where(name)} changed while being read ({len(data)} of {size} bytes)")
-        return data
 
     def put_file(self, name: str, path: Path, sha256: str | None = None) -> None:
         if sha256 is not None:
