@@ -19,7 +19,7 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
-from ..errors import ChecksumMismatchError, KVDataError, RemoteError
+from ..errors import KVDataError, RemoteError
 from ..format.codec import file_sha256
 from .home_base import Home
 
@@ -88,11 +88,7 @@ class FsspecHome(Home):
 
     def put_file(self, name: str, path: Path, sha256: str | None = None) -> None:
         if sha256 is not None:
-            _size, digest = file_sha256(path)
-            if digest != sha256:
-                raise ChecksumMismatchError(
-                    f"{path} has sha256 {digest}, not the {sha256} its manifest gives; nothing was "
-                    f"uploaded to {self.where(name)} (run `kvdata verify` on the dataset)")
+            self.check_upload(name, path, sha256, file_sha256(path)[1])
         dest = self._path(name)
         parent = posixpath.dirname(dest)
         try:

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import ReadOnlyError, RemoteError
+from ..errors import ChecksumMismatchError, ReadOnlyError, RemoteError
 
 PART_SIZE = 8 << 20
 READ_LIMIT = 1 << 30   # default cap of Home.read (callers reading metadata pass a smaller one)
@@ -67,6 +67,14 @@ class Home:
         (ChecksumMismatchError, nothing published, if it does not) and the home records it
         for `sha256()`."""
         raise ReadOnlyError(f"{self.url} is read-only; push to a local path or s3://")
+
+    def check_upload(self, name: str, path: Path, sha256: str, digest: str) -> None:
+        """ChecksumMismatchError, before anything is published as `name`, when the file being
+        uploaded does not hash to the sha256 its manifest gives."""
+        if digest != sha256:
+            raise ChecksumMismatchError(
+                f"{path} has sha256 {digest}, not the {sha256} its manifest gives; nothing was "
+                f"uploaded to {self.where(name)} (run `kvdata verify` on the dataset)")
 
     def where(self, name: str) -> str:
         return f"{self.url.rstrip('/')}/{name}"

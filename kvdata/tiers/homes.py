@@ -23,7 +23,7 @@ from typing import Any
 
 from .._util.digest import is_sha256
 from .._util.fsutil import create_exclusive, fsync_dir, read_regular, unlink_quiet
-from ..errors import ChecksumMismatchError, KVDataError, NotADatasetError, RemoteError
+from ..errors import KVDataError, NotADatasetError, RemoteError
 from ..format import names
 from ..format.codec import CHUNK, file_sha256
 from .home_base import PART_SIZE, READ_LIMIT, Home, is_url  # noqa: F401 -- is_url re-exported (callers import it from here)
@@ -117,10 +117,8 @@ class LocalHome(Home):
                     out.write(chunk)
                 out.flush()
                 digest = h.hexdigest()
-                if sha256 is not None and digest != sha256:
-                    raise ChecksumMismatchError(
-                        f"{path} has sha256 {digest}, not the {sha256} its manifest gives; nothing was "
-                        f"uploaded to {self.where(name)} (run `kvdata verify` on the dataset)")
+                if sha256 is not None:
+                    self.check_upload(name, path, sha256, digest)
                 os.fsync(out.fileno())
                 _record_sha256(out.fileno(), os.fstat(out.fileno()), digest)
             os.replace(tmp, dest)
@@ -243,11 +241,7 @@ class S3Home(Home):
 
         extra: dict[str, Any] = {}
         if sha256 is not None:
-            _size, digest = file_sha256(path)
-            if digest != sha256:
-                raise ChecksumMismatchError(
-                    f"{path} has sha256 {digest}, not the {sha256} its manifest gives; nothing was "
-                    f"uploaded to {self.where(name)} (run `kvdata verify` on the dataset)")
+            self.check_upload(name, path, sha256, file_sha256(path)[1])
             extra["Metadata"] = {S3_SHA256_META: sha256}
         try:
             self._client.upload_file(str(path), self.bucket, self._key(name), ExtraArgs=extra,
