@@ -24,7 +24,8 @@ from ..store.stacking import Ragged, ragged
 from ..tiers.homes import is_url
 from ..tiers.policy import looks_random
 from .open import open_dataset
-from .worker_ring import Batch, WorkerRing, shared_tensor
+from .rows import column_rows
+from .worker_ring import Batch, Lease, WorkerRing, shared_tensor
 
 DETECT_SAMPLES = 4096   # samples whose order a process looks at (at most) to tell a shard-grouped order from a random one
 _warned = False         # RandomAccessWarning is given once per process
@@ -39,15 +40,23 @@ class RandomAccessWarning(UserWarning):
 class SampleBatch(list):
     """Per-sample dicts (rows of `stacked`) that kvdata.collate turns into tensors without copying.
 
-    To every other consumer, e.g. torch's default_collate, it is a plain list of samples.
-    `tensors` holds the shared-memory tensors behind `stacked`'s arrays (in workers):
-    handing those, not torch.from_numpy views, to the DataLoader queue is what lets the
-    batch cross processes as a file descriptor instead of being copied again.
+    To every other consumer it is a plain list of samples whose array fields are tensor rows
+    of the batch (reader/rows.py), so torch's default_collate stacks them back into the batch
+    without a copy too. `tensors` holds the tensors behind `stacked`'s arrays (in workers,
+    shared-memory ring buffers): handing those, not torch.from_numpy views, to the DataLoader
+    queue is what lets the batch cross processes as a file descriptor instead of being copied
+    again. `lease` is the worker ring slot they occupy (None outside a worker).
     """
 
     stacked: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+    lease: Lease | None
     ring: WorkerRing | None
+
+    def __reduce__(self) -> Any:
+        """Pickled (a collate_fn that returns the samples themselves), it is the plain list: its
+        rows carry the ring slot's lease (reader/rows.py); the bookkeeping stays here."""
+        return (list, (list(self),))
 
 
 def _in_worker() -> bool:
@@ -57,12 +66,14 @@ def _in_worker() -> bool:
 class Dataset(torch.utils.data.Dataset):
     """Map-style dataset over a kvdata store.
 
-    Samples are dicts of numpy arrays and Python scalars (byte records: bytes), or
+    `ds[i]` is a dict of numpy arrays and Python scalars (byte records: bytes), or
     whatever `transform(sample)` returns. `fields` keeps only the named fields.
     The store is opened lazily in each process (after fork or spawn); pickling
-    carries only the path and options. Without a transform, `__getitems__` returns
-    writable arrays that are rows of one batch array; with a transform, the
-    transform gets read-only zero-copy views (copy before modifying in place).
+    carries only the path and options. Without a transform, `__getitems__` (what a
+    DataLoader calls) returns dicts whose array and number fields are writable torch
+    tensors, rows of one batch tensor per field, so that torch's default_collate and
+    kvdata.collate both return that batch without copying it; with a transform, the
+    transform gets read-only zero-copy numpy views (copy before modifying in place).
     """
 
     def __init__(self, path: str | os.PathLike[str], transform: Callable[[Any], Any] | None = None,
@@ -226,8 +237,8 @@ class Dataset(torch.utils.data.Dataset):
         batch = store.get_batch(indices, fields=self.fields, alloc=alloc)
         if isinstance(batch, list):  # byte records
             return batch
-        out = _rows(batch, len(indices))
-        out.tensors = {k: tensors[id(v)] for k, v in batch.items() if id(v) in tensors}
+        lease = ring.lease() if ring is not None else None  # whatever is made of it may leave the worker
+        out = _rows(batch, len(indices), {k: tensors[id(v)] for k, v in batch.items() if id(v) in tensors}, lease)
         out.ring = ring
         return out
 
@@ -246,14 +257,28 @@ def _warn(msg: str) -> None:
         warnings.warn(msg, RandomAccessWarning, stacklevel=4)
 
 
-def _rows(batch: dict[str, Any], n: int) -> SampleBatch:
-    """Sample i = row i of every column (array rows are writable views into the batch; a
-    variable-length column's row is its slice of the flat values)."""
-    cols = {name: [col.values[a:b] for a, b in zip(col.offsets[:-1].tolist(), col.offsets[1:].tolist())]
-            if isinstance(col, Ragged) else col for name, col in batch.items()}
-    out = SampleBatch({name: col[i] for name, col in cols.items()} for i in range(n))
+def _rows(batch: dict[str, Any], n: int, tensors: dict[str, torch.Tensor], lease: Lease | None) -> SampleBatch:
+    """Sample i = row i of every column: array and number columns give writable tensor rows
+    of the batch tensor (reader/rows.py: stacked again without a copy); a variable-length
+    column's row is its slice of the flat values; other columns (str, bytes) their items."""
+    cols: dict[str, Any] = {}
+    for name, col in batch.items():
+        if isinstance(col, Ragged):
+            cols[name] = [col.values[a:b] for a, b in zip(col.offsets[:-1].tolist(), col.offsets[1:].tolist())]
+        elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf" and col.flags.writeable:
+            t = tensors.get(name)
+            if t is None:
+                t = tensors[name] = torch.from_numpy(col)
+            cols[name] = column_rows(t, n, lease)
+        else:
+            cols[name] = col
+    names = list(cols)
+    out = SampleBatch(dict(zip(names, row)) for row in zip(*(cols[k] for k in names)))
+    if not names:
+        out.extend({} for _ in range(n))
     out.stacked = batch
-    out.tensors = {}
+    out.tensors = tensors
+    out.lease = lease
     out.ring = None
     return out
 
@@ -271,11 +296,12 @@ def collate(samples: Sequence[Any]) -> Any:
     stacked = getattr(samples, "stacked", None)
     if stacked is not None:
         tensors = getattr(samples, "tensors", {})
-        ring = getattr(samples, "ring", None)
-        if ring is None or not tensors:
-            return {k: tensors[k] if k in tensors else _to_torch(v) for k, v in stacked.items()}
-        lent = Batch({k: tensors[k] if k in tensors else _to_torch(v) for k, v in stacked.items()})
-        lent.lease = ring.lease()  # the buffers go to the main process: lent until it lets go
+        lease = getattr(samples, "lease", None)
+        cols = {k: tensors[k][:len(samples)] if k in tensors else _to_torch(v) for k, v in stacked.items()}
+        if lease is None:
+            return cols
+        lent = Batch(cols)
+        lent.lease = lease  # the buffers go to the main process: lent until it lets go
         return lent
     if not samples:
         return samples

@@ -5,21 +5,25 @@ Why: a worker that puts each batch in a fresh shared-memory segment pays, per 39
 one copy that matters. Here each worker keeps a small ring of shared batch buffers and fills
 the next free one.
 
-When a buffer is free again -- the return channel: every batch that kvdata.collate hands
-to the DataLoader queue carries a lease (the worker's flags tensor, in shared memory, the
-slot and the slot's generation). Unpickled in the main process, the lease keeps weak
-references to the batch's storages; whenever another batch arrives, leases whose storages
-are all gone (the loop dropped the batch, every view of it included) write their
-generation into the flags. The worker reuses a slot only when the flags say so, and
-otherwise takes another slot, or allocates a one-off buffer when MAX_SLOTS are all out:
-it never waits for the main process and never overwrites a batch still referenced there.
-A batch collated by something else (torch's default_collate copies the rows) is never
-sent, so its slot is free as soon as the worker's next batch starts.
+When a buffer is free again -- the return channel: a batch's slot is lent (leased) as soon as
+the batch is assembled, since anything made from it may leave the process. What carries the
+lease in its pickle -- kvdata.collate's Batch, and the rows and stacked columns of
+reader/rows.py that torch's default_collate passes through -- reports to the main process,
+where, unpickled, the lease keeps weak references to the batch's storages; whenever another
+batch arrives, slots whose storages are all gone there (the loop dropped the batch, every view
+of it included) get their generation written into the worker's shared flags. The worker
+reuses a slot when the flags say so, or when nothing that carries its lease was ever pickled
+and nothing in the worker refers to it any more (a collate_fn that copied the rows: nothing of
+the slot left the process). Otherwise it takes another slot, or allocates a one-off buffer when
+MAX_SLOTS are all out: it never waits for the main process and never overwrites a batch still
+referenced there. (A collate_fn that sends, from a worker, views it cut from the rows itself,
+without the rows or their stack, sends slot memory without the lease: copy those views.)
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -44,20 +48,28 @@ def shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
     return out
 
 
-class Lease:
-    """A ring slot lent to the main process with one batch."""
-
-    __slots__ = ("flags", "slot", "gen")
-
-    def __init__(self, flags: torch.Tensor, slot: int, gen: int) -> None:
-        self.flags, self.slot, self.gen = flags, slot, gen
-
-
 class _Slot:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.gen = 0          # batches this slot has carried
-        self.sent = False     # its current batch went to the main process (released through the flags)
+        self.sent = False     # its current batch is lent (released through the flags, or found unused)
+        self.carried = False  # something carrying its lease was pickled (it may be in the main process)
+        self.lease_ref: weakref.ref[Lease] | None = None  # alive while the worker still holds the batch
+
+
+class Lease:
+    """A ring slot lent with one batch: (flags, slot, generation) is what travels in a pickle."""
+
+    __slots__ = ("flags", "slot", "gen", "_state", "__weakref__")
+
+    def __init__(self, flags: torch.Tensor, slot: int, gen: int, state: _Slot | None = None) -> None:
+        self.flags, self.slot, self.gen, self._state = flags, slot, gen, state
+
+    def carry(self) -> tuple[torch.Tensor, int, int]:
+        """What a pickle carries to the main process; the slot now waits for its release there."""
+        if self._state is not None:
+            self._state.carried = True
+        return self.flags, self.slot, self.gen
 
 
 class WorkerRing:
@@ -75,8 +87,10 @@ class WorkerRing:
         last batch never left this process); None when all MAX_SLOTS are out."""
         released = self.flags.tolist()
         for i, s in enumerate(self.slots):
-            if not s.sent or released[i] == s.gen:
-                s.sent = False
+            if not s.sent or released[i] == s.gen or (
+                    not s.carried and (s.lease_ref is None or s.lease_ref() is None)):
+                s.sent = s.carried = False
+                s.lease_ref = None
                 s.gen += 1
                 self.current = i
                 return i
@@ -106,20 +120,26 @@ class WorkerRing:
         return view.numpy(), view
 
     def lease(self) -> Lease | None:
-        """The current batch goes to the main process: lend its slot."""
+        """Lend the current batch's slot (None for a one-off buffer, never reused). The slot
+        stays lent while the returned lease is alive in this process, and after that until the
+        main process releases it if anything carrying the lease was pickled."""
         if self.current is None:
             return None
         s = self.slots[self.current]
         s.sent = True
-        return Lease(self.flags, self.current, s.gen)
+        lease = Lease(self.flags, self.current, s.gen, s)
+        s.lease_ref = weakref.ref(lease)
+        return lease
 
 
 # ---------------------------------------------------------------- the main process's side
 
-# Leases of the batches the main process holds. Module-level because the hook that runs there
-# is an unpickling function (Batch.__reduce__): no object of ours lives across batches in the
-# main process to hang them on. Process-local, like torch's own shared-storage cache.
-_PENDING: list[tuple[list[StorageWeakRef], torch.Tensor, int, int]] = []
+# Leases of the batches the main process holds, by (worker flags, slot, generation): one batch
+# may arrive as several pickled objects (the columns of a default_collate'd dict). Module-level
+# because the hook that runs there is an unpickling function (Batch.__reduce__, rows.py): no
+# object of ours lives across batches in the main process to hang them on. Process-local, like
+# torch's own shared-storage cache.
+_PENDING: dict[tuple[int, int, int], tuple[list[StorageWeakRef], torch.Tensor]] = {}
 _PENDING_LOCK = threading.Lock()
 
 
@@ -132,7 +152,7 @@ class Batch(dict):
     def __reduce__(self) -> Any:
         if self.lease is None:
             return (Batch, (dict(self),))
-        return (_rebuild, (dict(self), self.lease.flags, self.lease.slot, self.lease.gen))
+        return (_rebuild, (dict(self), *self.lease.carry()))
 
 
 def _rebuild(items: dict[str, Any], flags: torch.Tensor, slot: int, gen: int) -> Batch:
@@ -144,13 +164,11 @@ def arrived(tensors: list[torch.Tensor], lease: Lease) -> None:
     """A batch from a worker was unpickled here: track its storages, and release the slots
     of earlier batches whose storages are all gone."""
     refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    key = (lease.flags.untyped_storage().data_ptr(), lease.slot, lease.gen)
     with _PENDING_LOCK:
-        keep = []
-        for entry in _PENDING:
-            srefs, flags, slot, gen = entry
-            if all(r.expired() for r in srefs):
-                flags[slot] = gen
-            else:
-                keep.append(entry)
-        keep.append((refs, lease.flags, lease.slot, lease.gen))
-        _PENDING[:] = keep
+        for k, (srefs, flags) in list(_PENDING.items()):
+            if k != key and all(r.expired() for r in srefs):
+                flags[k[1]] = k[2]
+                del _PENDING[k]
+        held = _PENDING.get(key)
+        _PENDING[key] = ((held[0] if held else []) + refs, lease.flags)

@@ -81,11 +81,15 @@ def test_samples_and_default_collate(dataset_path: Path) -> None:
     assert s["label"] == 7 and s["name"] == "n7" and s["image"].flags.writeable
     np.testing.assert_array_equal(s["image"], image(7))
     items = ds.__getitems__([3, 1])
-    assert items[0]["image"].flags.writeable and items[1]["label"] == 1
+    assert isinstance(items[0]["image"], torch.Tensor) and items[1]["label"] == 1
+    np.testing.assert_array_equal(items[1]["image"].numpy(), image(1))
     b = torch.utils.data.default_collate(items)
     assert b["image"].shape == (2, *SHAPE) and b["label"].tolist() == [3, 1] and b["name"] == ["n3", "n1"]
+    assert type(b["image"]) is torch.Tensor and b["image"].data_ptr() == items[0]["image"].data_ptr()  # no copy
     fast = kvdata.collate(items)
     assert torch.equal(fast["image"], b["image"]) and fast["label"].tolist() == [3, 1]
+    items[0]["image"][0, 0, 0] = 7  # rows are writable views of the batch
+    assert int(torch.utils.data.default_collate(items)["image"][0, 0, 0, 0]) == 7
 
 
 def test_transform_gets_views_and_collate_stacks(dataset_path: Path) -> None:
@@ -227,6 +231,98 @@ def test_batches_the_loop_keeps_are_never_overwritten(dataset_path: Path) -> Non
     for v in views:  # each view still shows a whole image (image(i)[0, 0, 0] == i % 256)
         i = int(np.asarray(v)[0, 0, 0])
         assert any(np.array_equal(np.asarray(v), image(j)) for j in range(i % 256, N, 256))
+
+
+def _ring_allocations(samples: list) -> torch.Tensor:
+    ring = getattr(samples, "ring", None)
+    return torch.tensor(ring.allocations if ring is not None else -1)
+
+
+def _default_collate_with_ring_stats(samples: list) -> dict:
+    """What users write (torch's default_collate), plus the worker ring's allocations so far."""
+    out = torch.utils.data.default_collate(samples)
+    out["ring_allocations"] = _ring_allocations(samples)
+    return out
+
+
+def _stack_collate(samples: list) -> tuple:
+    """A hand-written collate: torch.stack of the rows (no copy: the stack is the batch)."""
+    return (torch.stack([s["image"] for s in samples]), torch.stack([s["label"] for s in samples]),
+            _ring_allocations(samples))
+
+
+def _copying_collate(samples: list) -> tuple:
+    """A collate that copies every row (np.stack): nothing of the ring leaves the worker."""
+    return (torch.from_numpy(np.stack([np.asarray(s["image"]) for s in samples])),
+            torch.tensor([int(s["label"]) for s in samples]), _ring_allocations(samples))
+
+
+def _identity_collate(samples: list) -> list:
+    return samples
+
+
+def _as_batch(b: object) -> dict:
+    if isinstance(b, tuple):
+        return {"image": b[0], "label": b[1], "ring_allocations": b[2]}
+    if isinstance(b, list):  # the samples themselves
+        return {"image": torch.stack([s["image"] for s in b]), "label": torch.stack([s["label"] for s in b])}
+    assert isinstance(b, dict)
+    return b
+
+
+@pytest.mark.parametrize(("collate", "context"), [(_default_collate_with_ring_stats, "fork"),
+                                                    (_default_collate_with_ring_stats, "spawn"),
+                                                    (_stack_collate, "fork"), (_copying_collate, "fork")])
+def test_default_and_hand_written_collates_reuse_worker_buffers(dataset_path: Path, context: str,
+                                                                  collate: object) -> None:
+    """Regression (issue 13): with torch's default_collate every batch was copied into a fresh
+    shared-memory segment; now the rows stack back into the worker's ring buffer, which is
+    reused once the loop lets go -- and a collate that copies frees its buffer at once."""
+    ds = kvdata.Dataset(dataset_path)
+    loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, multiprocessing_context=context,
+                        collate_fn=collate, persistent_workers=True)
+    allocs = []
+    for _epoch in range(3):
+        seen: list[int] = []
+        for raw in loader:
+            b = _as_batch(raw)
+            assert type(b["image"]) is torch.Tensor and b["image"].shape[1:] == SHAPE
+            seen += check_batch(b)
+            allocs.append(int(b["ring_allocations"]))
+        assert sorted(seen) == list(range(N))
+    assert max(allocs) <= 6, allocs  # a few buffers per worker, not one per batch (~57 per worker here)
+
+
+@pytest.mark.parametrize("collate", [None, _stack_collate, _identity_collate])
+def test_batches_kept_by_the_loop_with_any_collate_are_never_overwritten(dataset_path: Path, collate: object) -> None:
+    ds = kvdata.Dataset(dataset_path)
+    loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, collate_fn=collate)
+    kept = list(loader)  # every batch held (as default_collate, a stack or the rows themselves)
+    rows = [_as_batch(b)["image"][3] if collate is not _identity_collate else b[3]["image"] for b in loader]
+    seen: list[int] = []
+    for b in kept:
+        seen += check_batch(_as_batch(b))
+    assert sorted(seen) == list(range(N))
+    for v in rows:  # each kept row still shows a whole image
+        i = int(np.asarray(v)[0, 0, 0])
+        assert any(np.array_equal(np.asarray(v), image(j)) for j in range(i % 256, N, 256))
+
+
+def test_stacks_that_are_not_the_whole_batch_copy(dataset_path: Path) -> None:
+    items = kvdata.Dataset(dataset_path).__getitems__([5, 6, 7, 8])
+    rows = [s["image"] for s in items]
+    whole = torch.stack(rows)
+    assert whole.data_ptr() == rows[0].data_ptr() and type(whole) is torch.Tensor
+    for part in (rows[1:], rows[:3], rows[::-1], [rows[0], rows[0], rows[2], rows[3]]):
+        got = torch.stack(part)
+        assert got.data_ptr() != rows[0].data_ptr()
+        assert torch.equal(got, torch.stack([r.clone() for r in part]))
+    assert torch.stack(rows, dim=1).shape == (SHAPE[0], 4, *SHAPE[1:])  # another dim: torch's own stack
+    out = torch.empty(4, *SHAPE, dtype=torch.uint8)
+    assert torch.stack(rows, out=out) is out and torch.equal(out, whole)  # a caller's out is filled
+    assert type(rows[0] + 1) is torch.Tensor and type(rows[0][1:]) is torch.Tensor
+    copied = pickle.loads(pickle.dumps(items))
+    assert type(copied[0]["image"]) is torch.Tensor and torch.equal(copied[0]["image"], rows[0])
 
 
 def test_batch_reader_is_deterministic_across_threads_and_can_reuse_buffers(dataset_path: Path) -> None:
