@@ -9,6 +9,10 @@ repeats (methods alternate), and the ratio of calls/s against the recipe's offse
 against a bare `mm[i]` of a fixed-shape memmap. "view" rows return zero-copy views; "copy" rows
 an owned array (what a DataLoader worker must produce).
 
+(c) the first index of an epoch from kvdata.ShardShuffleSampler (with and without a staging engine
+listening for its order) against torch's RandomSampler, over --n-sampler samples (1M) in 1,000
+shards: what a training loop waits for before its first batch.
+
   python bench/single_sample.py [--quick] [--json F]
 """
 from __future__ import annotations
@@ -111,6 +115,58 @@ def run(root: Path, n: int, image: bool, calls: int, repeats: int, seed: int) ->
     return repeat_rotated(list(ms), repeats, one)
 
 
+class _SampledDataset:
+    """What ShardShuffleSampler reads of a Dataset: the shard of every sample, and (listening)
+    the announce/progress calls a staging engine receives (taken and dropped here)."""
+
+    def __init__(self, n: int, shards: int, listening: bool) -> None:
+        self.sample_shards = np.repeat(np.arange(shards, dtype=np.uint32), -(-n // shards))[:n]
+        self.wants_orders = listening
+        self.announced = 0
+
+    def __len__(self) -> int:
+        return len(self.sample_shards)
+
+    def announce(self, reader: str, seq: list, position: int = 0) -> None:
+        self.announced += 1
+
+    def progress(self, reader: str, position: int) -> None:
+        pass
+
+
+def first_index(n: int, repeats: int) -> dict[str, list[float]]:
+    """Milliseconds from iter(sampler) to its first index, a fresh epoch each time."""
+    import torch
+
+    quiet, loud = _SampledDataset(n, 1000, False), _SampledDataset(n, 1000, True)
+    epochs = iter(range(1 << 30))
+
+    def kv(ds: _SampledDataset) -> Any:
+        s = kvdata.ShardShuffleSampler(ds, seed=0, rank=0, world_size=1)
+        s.set_epoch(next(epochs))
+        return s
+
+    makers: dict[str, Callable[[], Any]] = {
+        "torch RandomSampler": lambda: torch.utils.data.RandomSampler(range(n)),
+        "ShardShuffleSampler, read in place (nothing listens)": lambda: kv(quiet),
+        "ShardShuffleSampler, a staging engine listening": lambda: kv(loud),
+    }
+
+    def one(name: str, _r: int) -> float:
+        sampler = makers[name]()
+        t0 = time.perf_counter()
+        next(iter(sampler))
+        return (time.perf_counter() - t0) * 1e3
+
+    return repeat_rotated(list(makers), repeats, one)
+
+
+def sampler_table(title: str, ms: dict[str, list[float]]) -> str:
+    base = median(ms["torch RandomSampler"])
+    rows = [[name, f"{median(xs):.1f}", f"{min(xs):.1f}", f"{median(xs) / base:.2f}x"] for name, xs in ms.items()]
+    return f"### {title}\n\n" + md_table(["sampler", "ms to first index (median)", "min", "vs RandomSampler"], rows)
+
+
 def table(title: str, us: dict[str, list[float]]) -> str:
     base = median(us["np.memmap recipe, offsets + slice (view)"])
     bare = median(us["np.memmap mm[i], fixed shape (view)"])
@@ -127,13 +183,14 @@ def main() -> None:
     p.add_argument("--n-images", type=int, default=4000)
     p.add_argument("--n-small", type=int, default=100_000)
     p.add_argument("--calls", type=int, default=20_000)
+    p.add_argument("--n-sampler", type=int, default=1_000_000, help="samples for (c), the sampler's first index")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if a.quick:
-        a.n_images, a.n_small, a.calls, a.repeats = 300, 5000, 2000, 3
+        a.n_images, a.n_small, a.calls, a.repeats, a.n_sampler = 300, 5000, 2000, 3, 20_000
     machine = machine_info()
     out: dict[str, Any] = {"config": {k: str(v) for k, v in vars(a).items()}, "machine": machine, "sections": {}}
     md = [f"## kvdata single_sample ({machine_line(machine)})", ""]
@@ -146,6 +203,9 @@ def main() -> None:
             us = run(root, n, image, a.calls, a.repeats, a.seed + 1)
             out["sections"][key] = us
             md += [table(f"{title}, {a.calls} random single reads, warm page cache", us), ""]
+    ms = first_index(a.n_sampler, max(a.repeats, 5))
+    out["sections"]["sampler_first_index"] = ms
+    md += [sampler_table(f"(c) first index of an epoch, {a.n_sampler:,} samples in 1,000 shards", ms), ""]
     if RaggedMmap is None:
         md.append("mmap_ninja is not installed: its row is skipped (pip install mmap-ninja).")
     text = "\n".join(md) + "\n"

@@ -272,3 +272,42 @@ def test_a_sampler_over_a_dataset_nobody_stages_does_no_order_bookkeeping() -> N
     assert a == b and sorted(a) == list(range(200))
     assert len(loud.announced) == 1 and len(loud.announced[0]) == 20  # this epoch's shards, then the next's
     assert quiet.announced == []
+
+
+def test_the_first_indices_come_before_the_order_is_announced() -> None:
+    """Issue 13: the first index must come no later than from torch's RandomSampler, so planning
+    the announcement (this epoch's and the next epoch's shard sequences) waits until the first
+    chunk of indices is out; a rank whose share is one chunk or less announces at once."""
+    from kvdata.reader.sampler import ShardShuffleSampler
+
+    class Listening:
+        wants_orders = True
+
+        def __init__(self, n: int) -> None:
+            self.sample_shards = np.repeat(np.arange(10, dtype=np.uint32), n // 10)
+            self.announced: list[tuple[int, list, int]] = []
+            self.drawn = 0
+
+        def announce(self, reader: str, seq: list, position: int = 0) -> None:
+            self.announced.append((self.drawn, seq, position))
+
+        def progress(self, reader: str, position: int) -> None:
+            pass
+
+    big = Listening(2000)
+    sampler = ShardShuffleSampler(big, seed=3)
+    out = []
+    for i in sampler:
+        out.append(i)
+        big.drawn += 1
+    assert sorted(out) == list(range(2000))
+    assert len(big.announced) == 1
+    drawn, seq, position = big.announced[0]
+    assert drawn == 32 and position == 0 and len(seq) == 20  # after the first chunk of 32 indices
+    shards = big.sample_shards[np.array(out)]
+    _, first = np.unique(shards, return_index=True)
+    assert seq[:10] == shards[np.sort(first)].tolist()  # this epoch's shards in first-use order
+
+    small = Listening(20)
+    first_index = next(iter(ShardShuffleSampler(small, seed=3)))
+    assert small.announced and small.announced[0][0] == 0 and 0 <= first_index < 20
