@@ -43,7 +43,6 @@ sys.path.insert(0, str(HERE))
 import nodelab as nl  # noqa: E402
 from _common import IMG, MB, log, machine_info, machine_line, md_table, median, rotated, write_json  # noqa: E402
 
-DELAYPROXY = REPO.parent / "shared" / "netlab" / "delayproxy.py"
 SAMPLERS = ("global", "locality")
 
 
@@ -111,7 +110,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
     ap.add_argument("--repeats", type=int, default=2, help="separate jobs (same seed: the same sequences)")
-    ap.add_argument("--delayproxy", type=Path, default=DELAYPROXY)
+    ap.add_argument("--delayproxy", type=Path, default=nl.find_delayproxy(REPO),
+                    help="the netlab's delayproxy.py (default: ../shared/netlab or ../../shared/netlab)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per job")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--cleanup", action="store_true", help="only remove what killed runs left, then exit")
@@ -130,6 +130,9 @@ def main() -> None:
     why = nl.missing()
     if why:
         raise SystemExit(f"multinode: {why}")
+    if a.rtt_ms > 0 and (a.delayproxy is None or not a.delayproxy.is_file()):
+        raise SystemExit(f"multinode: --rtt-ms {a.rtt_ms:g} needs the netlab's delayproxy.py (--delayproxy; not found "
+                         f"at {a.delayproxy or '../shared/netlab or ../../shared/netlab'}); or --rtt-ms 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_all's timeout: tear the lab down on the way out
 
     import kvdata
@@ -161,7 +164,9 @@ def main() -> None:
                          "sample_bytes": a.sample_bytes, "shard_bytes": ds_bytes // len(shards), "shards": len(shards),
                          "dataset_bytes": ds_bytes, "tier_budget_bytes": budget,
                          "link_rate_bps": nl.rate_bytes(a.rate) * 8, "rtt_ms": a.rtt_ms, "epochs": a.epochs,
-                         "seed": a.seed, "exchange": a.exchange, "batch_size": a.batch_size, "num_workers": a.workers}
+                         "seed": a.seed, "exchange": a.exchange, "batch_size": a.batch_size, "num_workers": a.workers,
+                         "window": a.window, "budget_frac": a.budget_frac, "dataset_s3_bytes": s3_bytes,
+                         "repeats": a.repeats}
         for rep in range(a.repeats):
             phases = rotated(SAMPLERS, rep)
             log(f"repeat {rep + 1}: {', '.join(phases)}")
@@ -188,7 +193,7 @@ def main() -> None:
             checks["matches_in_process_sampler"] &= got[0] == want
     checks["wire_over_s3"] = wire / s3 if s3 else float("nan")
     out.update(runs=runs, checks=checks, seconds=time.perf_counter() - t_all)
-    md = f"## kvdata bench/multinode.py\n\n_{out['date']}; command: `{out['command']}`._\n\n" + report(a, out)
+    md = "## kvdata bench/multinode.py\n\n" + report(a, out)   # the date and command: in the JSON, and run_all's line
     out["markdown"] = md
     print(md)
     if a.json:

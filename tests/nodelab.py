@@ -104,6 +104,16 @@ def find_nginx() -> str | None:
     return shutil.which("nginx")
 
 
+def find_delayproxy(repo: Path) -> Path | None:
+    """The netlab's delay proxy: ../shared/netlab beside the checkout (or beside the directory
+    of worktrees that holds it, ../../shared/netlab)."""
+    for base in (repo.parent, repo.parent.parent):
+        p = base / "shared" / "netlab" / "delayproxy.py"
+        if p.is_file():
+            return p
+    return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
