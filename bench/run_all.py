@@ -134,6 +134,19 @@ def random_order_missing() -> str | None:
     return None
 
 
+def multinode_missing() -> str | None:
+    """Why bench/multinode.py cannot run here (it probes namespaces itself, and says why it cannot)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth pairs and tc)"
+    tools = [t for t in ("ip", "tc", "nginx") if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
+    if tools:
+        return f"needs {', '.join(tools)} (Debian packages iproute2, nginx)"
+    miss = _missing("boto3", "moto", "kvdata_daemon")
+    if miss:
+        return f"{', '.join(miss)} not installed (pip install -e '.[test]')"
+    return None
+
+
 def store_read_notes() -> list[str]:
     notes = []
     if not can_drop_caches():
@@ -193,6 +206,7 @@ BENCHES: list[Bench] = [
     Bench("random_order", "random_order.py", ["--quick"], [], full_only=True,
           requires=lambda: _torch() or random_order_missing()),
     Bench("daemon", "daemon.py", ["--quick"], [], requires=_daemon_missing, plot="daemon"),
+    Bench("multinode", "multinode.py", ["--quick"], [], requires=lambda: _daemon_missing() or multinode_missing()),
     Bench("shuffle_quality", "shuffle_quality.py", ["--quick"], [], plot="shuffle_quality"),
     Bench("fuzz", "fuzz.py", ["--quick"], [],
           requires=needs_modules("google.protobuf", "PIL", hint="the Caffe targets; pip install -e '.[test]'")),

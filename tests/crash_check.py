@@ -292,7 +292,7 @@ def leftovers(ds: Path, pid: int) -> set[str]:
         m = json.loads((ds / "manifest.json").read_bytes())
     except (OSError, ValueError):
         return {"no-manifest"}
-    if (ds / f"manifest.json.tmp{pid}").exists():
+    if any(ds.glob(f"manifest.json.tmp{pid}-*")):  # fsutil.temp_beside: .tmp<pid>-<thread>
         out.add("manifest-tmp")
     names = {s["name"] for s in m["shards"]} | {s["zst"]["name"] for s in m["shards"] if s.get("zst")}
     tail = m["tail"]["name"]

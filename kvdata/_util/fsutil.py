@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,9 +28,16 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def temp_beside(path: Path) -> Path:
+    """The temp file a writer of `path` fills before renaming it into place: one per process
+    AND thread, so two threads writing the same file (kvdatad mirroring one index for two
+    readers that opened it together) never write, truncate or rename each other's temp."""
+    return path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_native_id()}")
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace `path` by `data` so a crash leaves the old or the new content, never a mix."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp = temp_beside(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from .._util.fsutil import atomic_write, fsync_dir, unlink_quiet
+from .._util.fsutil import atomic_write, fsync_dir, temp_beside, unlink_quiet
 from ..config import Config
 from ..errors import CorruptDatasetError
 from ..format import Manifest, names, parse_manifest
@@ -62,7 +62,7 @@ def mirror(home: Home, root: Path) -> Path:
 def fetch_exact(home: Home, name: str, size: int, sha: str | None, dest: Path) -> None:
     """Stream exactly the `size` bytes the manifest gives (no more is ever asked for or
     held: parts of PART_SIZE) into `dest`, checked against `sha`; atomically."""
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    tmp = temp_beside(dest)
     h = hashlib.sha256()
     try:
         with open(tmp, "wb") as f:
@@ -88,7 +88,7 @@ def fetch_exact(home: Home, name: str, size: int, sha: str | None, dest: Path) -
 def _copy_fd(fd: int, size: int, sha: str | None, dest: Path, where: str) -> None:
     """`size` bytes of a passed file into `dest` (streamed, checked against `sha`), atomically."""
     check_passed_fd(fd, size, where)
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    tmp = temp_beside(dest)
     h = hashlib.sha256()
     try:
         with open(tmp, "wb") as f:
