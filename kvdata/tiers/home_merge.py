@@ -97,6 +97,9 @@ def merge_at_home(parts: Sequence[str], dest: str, *, progress: bool | None = No
     try:
         if not out.writable:
             raise ReadOnlyError(f"{dest} is read-only (an http(s):// home); merge parts at an s3:// or fsspec home")
+        if out.local_path("") is not None:
+            raise KVDataError(f"{dest} is a local path: merge local datasets by path (`kvdata merge P1 P2 DEST`); for "
+                              "parts pushed to a shared filesystem, name them and DEST as fsspec+file:// URLs")
         for url in parts:
             home = open_home(url)
             homes.append(home)
@@ -164,8 +167,13 @@ def _merge(homes: list[Home], out: Home, tmp: Path, progress: bool | None, copy_
 
 
 def _split(url: str) -> tuple[str, list[str]]:
+    """(scheme, path segments) of a part or destination URL; '.' and '..' segments are refused:
+    an object store takes them literally, a filesystem does not, so they could name two places."""
     scheme, rest = url.split("://", 1)
-    return scheme.lower(), [p for p in rest.split("/") if p]
+    segs = [p for p in rest.split("/") if p]
+    if any(p in (".", "..") for p in segs) or "\x00" in url:
+        raise KVDataError(f"{url}: a merge URL may not contain '.' or '..' segments (or NUL); name the prefix plainly")
+    return scheme.lower(), segs
 
 
 def _check_urls(parts: Sequence[str], dest: str) -> None:
