@@ -116,6 +116,7 @@ def merge_at_home(parts: Sequence[str], dest: str, *, progress: bool | None = No
 
 def _merge(homes: list[Home], out: Home, tmp: Path, progress: bool | None, copy_options: dict[str, int],
            t0: float) -> dict[str, Any]:
+    """Load and check everything, then write: shard copies, index files, the manifest last."""
     downloaded = 0
     loaded: list[_Part] = []
     for i, home in enumerate(homes):
