@@ -12,7 +12,7 @@ from typing import Any
 from .errors import KVDataError
 from .reader.open import open_dataset as open
 from .store import Store
-from .store.merge import merge
+from .tiers.home_merge import merge
 
 __all__ = ["open", "Store", "KVDataError", "merge", "Dataset", "ShardShuffleSampler", "collate", "BatchReader", "Loader",
            "Ragged", "from_iterable", "from_arrays", "__version__"]

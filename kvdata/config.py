@@ -87,7 +87,8 @@ def normalize_home_url(url: str) -> str:
         raise ConfigError(f"home URL {url!r} is not a valid URL ({e})") from None
     scheme = u.scheme.lower()
     if scheme not in HOME_SCHEMES:
-        raise ConfigError(f"home URL {url!r} must be s3://, http:// or https://")
+        raise ConfigError(f"home URL {url!r} must be s3://, http:// or https:// (kvdatad does not fetch fsspec "
+                          "homes: their readers stage them in-process; see docs/SECURITY.md)")
     if u.username is not None or u.password is not None or "@" in u.netloc:
         raise ConfigError(f"home URL {url!r} may not carry user info; give credentials to the daemon, not in URLs")
     if u.query or u.fragment or "?" in url or "#" in url:

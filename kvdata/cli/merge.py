@@ -18,16 +18,25 @@ from .output import print_json
 def merge(paths: tuple[str, ...], move: bool, seal: bool, as_json: bool) -> None:
     """Join the datasets PARTS (in this order) into the new DATASET without copying record bytes.
 
-    Shards are hard-linked (copied and checked where links are refused), the index is
-    concatenated, and keys found in two parts are refused with nothing written. DATASET must
-    not exist or be empty; it appears whole or not at all."""
+    Local paths: shards are hard-linked (copied and checked where links are refused). URLs of
+    parts pushed to one s3:// or fsspec home (and DATASET there): the home copies the shard
+    objects itself, the manifest is written last. The index is concatenated, and keys found in
+    two parts are refused with nothing written. DATASET must be new (or an empty directory);
+    it appears whole or not at all."""
     if len(paths) < 2:
         raise click.UsageError("name at least one part and the new DATASET")
-    from ..store.merge import merge as run_merge
+    from ..tiers.home_merge import merge as run_merge
 
     summary = run_merge(paths[:-1], paths[-1], move=move, seal=seal)
     if as_json:
         print_json(summary)
+        return
+    if "bytes_copied_at_home" in summary:
+        done = "already merged, nothing to do" if summary["already_merged"] else (
+            f"{format_size(summary['bytes_copied_at_home'])} copied at the home ({summary['objects_copied']} objects, "
+            f"{summary['objects_skipped']} already there), {format_size(summary['bytes_downloaded'])} read")
+        click.echo(f"merged {len(summary['parts'])} parts into {summary['dataset']}: {summary['samples']} samples, "
+                   f"{summary['shards']} shards, {done} in {summary['seconds']:.2f} s")
         return
     copied = f", {format_size(summary['bytes_copied'])} copied (no hard links across filesystems)" \
         if summary["bytes_copied"] else ""

@@ -34,29 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .. import format as fmt
 from .._util.fsutil import atomic_write, fsync_dir, unlink_quiet
 from .._util.progress import progress as make_progress
-from ..errors import (
-    CorruptDatasetError,
-    InvalidKeyError,
-    InvalidValueError,
-    KVDataError,
-    MissingShardError,
-    NotADatasetError,
-)
-from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, ZstCopy, names
-from . import index as ix
+from ..errors import CorruptDatasetError, KVDataError, MissingShardError, NotADatasetError
+from ..format import Manifest, names
 from .generation import Generation, load_generation
 from .lock import WriterLock
+from .merge_plan import MergePlan, PartIndex, merged_shards, plan_merge, write_merged_index
 from .reader import Reader
 from .shards import ENVS, NO_LINK_ERRNOS, open_sealed_lmdb
 
 STAGING = ".kvdata-merge.tmp"  # the merge's own staging directory under the destination
-GENERATION = 1                 # the merged dataset's first generation
-SHOW_DUPLICATES = 5            # duplicate keys named in the error
 COPY_CHUNK = 8 << 20
 
 __all__ = ["merge", "STAGING"]
@@ -66,12 +55,15 @@ __all__ = ["merge", "STAGING"]
 class _Part:
     root: Path
     gen: Generation
-    shard_base: int   # the merged id of this part's shard 0
-    sample_base: int  # the merged position of this part's sample 0
 
     @property
     def m(self) -> Manifest:
         return self.gen.manifest
+
+    def index(self) -> PartIndex:
+        idx = self.gen.index
+        return PartIndex(str(self.root), self.m, idx.samples, idx.records,
+                         tuple((run.hashes, run.pos) for run in idx.runs), f"run `kvdata verify {self.root}`")
 
 
 def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str], *, move: bool = False,
@@ -94,7 +86,7 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
     dest_root = Path(dest)
     _check_paths(roots, dest_root)
     loaded = _load(roots)
-    checked = _check(loaded)  # before a seal writes anything: refusals leave the parts as they were
+    plan = _check(loaded)  # before a seal writes anything: refusals leave the parts as they were
     tails = [p for p in loaded if p.m.tail.records]
     if tails and not seal:
         p = tails[0]
@@ -109,8 +101,8 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
                 locks.append(WriterLock(r))
         if tails or move:
             loaded = _load(roots)  # what was sealed, or committed before the locks were taken
-            checked = _check(loaded)
-        summary = _write(loaded, dest_root, *checked, progress)
+            plan = _check(loaded)
+        summary = _write(loaded, dest_root, plan, progress)
         if move:
             summary["left_in_parts"] = {str(p.root): left for p in loaded if (left := _remove_part(p))}
     finally:
@@ -122,34 +114,17 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
 
 
 def _load(roots: list[Path]) -> list[_Part]:
-    """Each part's current generation, with where its shards and samples go in the merge."""
-    loaded: list[_Part] = []
-    shard_base = sample_base = 0
-    for r in roots:
-        gen = load_generation(r)
-        loaded.append(_Part(r, gen, shard_base, sample_base))
-        shard_base += len(gen.manifest.shards)
-        sample_base += gen.manifest.count
-    return loaded
+    """Each part's current generation."""
+    return [_Part(r, load_generation(r)) for r in roots]
 
 
-def _check(loaded: list[_Part]) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], dict[str, dict[str, Any]],
-                                         dict[str, Any]]:
-    """Everything that refuses a merge, before anything is written: (key hashes in merged sample
-    order, the positions that sort them, classes, field schema, manifest extras the parts agree on)."""
-    classes = _merge_classes(loaded)
-    fields: dict[str, dict[str, Any]] = {}
-    for p in loaded:
-        fields = fmt.merge_schema(fields, p.m.fields)
-    first = loaded[0].m.extra
-    extra = {k: v for k, v in first.items() if all(p.m.extra.get(k) == v for p in loaded)}
-    hashes = np.concatenate([_key_hashes(p) for p in loaded])
-    order = np.argsort(hashes, kind="stable")  # once: the duplicate checks and the key run use it
-    _refuse_duplicates(loaded, hashes, order)
-    _refuse_deleted_later(loaded, hashes, order)
+def _check(loaded: list[_Part]) -> MergePlan:
+    """Everything that refuses a merge, before anything is written: the plan's checks
+    (kvdata.store.merge_plan: keys, classes, each part's index) and each part's shard files."""
+    plan = plan_merge([p.index() for p in loaded], lambda i, pairs: _lmdb_keys(loaded[i], pairs))
     for p in loaded:
         _check_shard_files(p)
-    return hashes, order, classes, fields, extra
+    return plan
 
 
 # ---------------------------------------------------------------- checks (nothing written yet)
@@ -205,131 +180,38 @@ def _seal(root: Path) -> None:
         store.commit()
 
 
-def _merge_classes(parts: list[_Part]) -> tuple[str, ...]:
-    """One class list for all parts: labels are kept as they are, so each part's list must be a
-    prefix of the longest (a part that saw fewer classes) or empty."""
-    longest: tuple[str, ...] = ()
-    owner: Path | None = None
-    for p in parts:
-        c = p.m.classes
-        if len(c) > len(longest):
-            longest, owner = c, p.root
-    for p in parts:
-        c = p.m.classes
-        if c and c != longest[:len(c)]:
-            i = next(i for i, (a, b) in enumerate(zip(c, longest)) if a != b)
-            raise InvalidValueError(
-                f"{p.root}: its classes disagree with {owner}'s (label {i} is {c[i]!r} here and "
-                f"{longest[i]!r} there); labels would change meaning, so the parts cannot be merged; "
-                "write them with one class list")
-    return longest
-
-
-def _key_hashes(p: _Part) -> np.ndarray:
-    """The key hash of every sample of a part, in sample order (gathered from its key runs)."""
-    if p.m.count == 0:
-        return np.zeros(0, np.uint64)
-    return ix.all_key_hashes(p.gen.index)
-
-
-def _refuse_duplicates(parts: list[_Part], hashes: np.ndarray, order: np.ndarray) -> None:
-    """InvalidKeyError naming keys that are in more than one part (hash matches are confirmed by
-    comparing the keys themselves, so a hash collision is never called a duplicate)."""
-    if len(hashes) < 2:
-        return
-    sh = hashes[order]
-    same = np.nonzero(sh[1:] == sh[:-1])[0]
-    if not len(same):
-        return
-    starts = np.array([p.sample_base for p in parts], dtype=np.int64)
-    found: list[tuple[str, Path, Path]] = []
-    readers: dict[int, Reader] = {}
-    try:
-        for j in same.tolist():
-            a, b = int(order[j]), int(order[j + 1])
-            ka, pa = _key_at(parts, starts, readers, a)
-            kb, pb = _key_at(parts, starts, readers, b)
-            if ka == kb:
-                found.append((ka, parts[pa].root, parts[pb].root))
-                if len(found) > SHOW_DUPLICATES:
-                    break
-    finally:
-        for r in readers.values():
-            r.close()
-    if found:
-        shown = "; ".join(f"{k!r} in {a} and {b}" for k, a, b in found[:SHOW_DUPLICATES])
-        more = " and more" if len(found) > SHOW_DUPLICATES else ""
-        raise InvalidKeyError(f"duplicate keys across parts: {shown}{more}; every key must be in one part only; "
-                              "nothing was written")
-
-
-def _key_at(parts: list[_Part], starts: np.ndarray, readers: dict[int, Reader], pos: int) -> tuple[str, int]:
-    i = int(np.searchsorted(starts, pos, "right")) - 1
-    while parts[i].m.count == 0 or pos - parts[i].sample_base >= parts[i].m.count:
-        i -= 1  # parts with no samples share their start with the next one
-    if i not in readers:
-        readers[i] = Reader(parts[i].gen)
-    return str(readers[i].metas([pos - parts[i].sample_base])[0][1].get("k")), i
-
-
-def _refuse_deleted_later(parts: list[_Part], hashes: np.ndarray, order: np.ndarray) -> None:
-    """InvalidKeyError if a key live in one part has a tombstone (a delete) in a later part.
-
-    The merged dataset reads right, but `kvdata reindex` replays records in shard order and
-    the later delete would drop the earlier part's record; the fix is to name that part first."""
-    found: list[tuple[str, Path, Path]] = []
-    readers: dict[int, Reader] = {}
-    starts = np.array([p.sample_base for p in parts], dtype=np.int64)
-    sh = hashes[order]
-    try:
-        for p in parts:
-            if p.sample_base == 0:
-                continue  # nothing before it
-            keys = _tombstone_keys(p)
-            if not keys:
-                continue
-            th = np.array([fmt.key_hash(k.encode("utf-8")) for k in keys], dtype=np.uint64)  # deletes are few
-            lo, hi = np.searchsorted(sh, th, "left"), np.searchsorted(sh, th, "right")
-            for k, a, b in zip(keys, lo.tolist(), hi.tolist()):
-                for pos in order[a:b].tolist():
-                    if pos >= p.sample_base:
-                        continue  # only parts before this one
-                    live, i = _key_at(parts, starts, readers, pos)
-                    if live == k:
-                        found.append((k, parts[i].root, p.root))
-                if len(found) >= SHOW_DUPLICATES:
-                    break
-    finally:
-        for r in readers.values():
-            r.close()
-    if found:
-        shown = "; ".join(f"{k!r} is in {a} and deleted in {b}" for k, a, b in found[:SHOW_DUPLICATES])
-        raise InvalidKeyError(f"keys deleted in a later part: {shown}; `kvdata reindex` of the merged dataset would "
-                              f"drop them; give {found[0][2]} before {found[0][1]}; nothing was written")
-
-
-def _tombstone_keys(p: _Part) -> list[str]:
-    """Keys of the tombstones (deletes) in a part's sealed shards, read through LMDB."""
-    idx = p.gen.index
-    rows = np.nonzero((np.asarray(idx.records["head_kind"]) >> fmt.KIND_SHIFT) == fmt.KIND_TOMBSTONE)[0]
-    if not len(rows):
-        return []
-    shard = np.searchsorted(idx.base, rows, "right") - 1
-    slot = rows - idx.base[shard]
-    keys: list[str] = []
-    for s in np.unique(shard).tolist():
-        env = open_sealed_lmdb(p.gen.shard_path(p.m.shards[s]))
-        try:
-            with ENVS.read(env) as txn:
-                for sl in slot[shard == s].tolist():
-                    v = txn.get(fmt.slot_key(int(sl)))
-                    if v is None:
-                        raise CorruptDatasetError(f"{p.gen.shard_path(p.m.shards[s])}: slot {sl} is missing; "
-                                                  f"run `kvdata verify {p.root}`")
-                    keys.append(str(fmt.RecordHeader(v).meta(v).get("k")))
-        finally:
-            ENVS.release(env)
-    return keys
+def _lmdb_keys(p: _Part, pairs: Sequence[tuple[int, int]]) -> list[str]:
+    """The keys of a part's records at (shard, slot), read through LMDB: sealed shards from their
+    files, records of its open tail (checked before a --seal) through a Reader's tail path."""
+    by_shard: dict[int, list[int]] = {}
+    for j, (s, _slot) in enumerate(pairs):
+        by_shard.setdefault(s, []).append(j)
+    values: list[Any] = [None] * len(pairs)
+    for s, js in by_shard.items():
+        slots = [pairs[j][1] for j in js]
+        if s >= len(p.m.shards):
+            reader = Reader(p.gen)
+            try:
+                got = reader.tail_values(slots)
+            finally:
+                reader.close()
+            where = p.gen.tail_path
+        else:
+            where = p.gen.shard_path(p.m.shards[s])
+            env = open_sealed_lmdb(where)
+            try:
+                with ENVS.read(env) as txn:
+                    got = [txn.get(fmt.slot_key(sl)) for sl in slots]
+            finally:
+                ENVS.release(env)
+        for j, sl, v in zip(js, slots, got):
+            if v is None:
+                raise CorruptDatasetError(f"{where}: slot {sl} is missing; run `kvdata verify {p.root}`")
+            try:
+                values[j] = str(fmt.RecordHeader(v).meta(v)["k"])
+            except CorruptDatasetError as e:
+                raise CorruptDatasetError(f"{where}, slot {sl}: {e}") from None
+    return values
 
 
 def _check_shard_files(p: _Part) -> None:
@@ -360,8 +242,7 @@ def _check_shard_files(p: _Part) -> None:
 # ---------------------------------------------------------------- writing
 
 
-def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray, classes: tuple[str, ...],
-           fields: dict[str, dict[str, Any]], extra: dict[str, Any], progress: bool | None) -> dict[str, Any]:
+def _write(parts: list[_Part], dest: Path, plan: MergePlan, progress: bool | None) -> dict[str, Any]:
     created = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     own_lock_file = not os.path.lexists(dest / names.LOCK)
@@ -376,8 +257,8 @@ def _write(parts: list[_Part], dest: Path, hashes: np.ndarray, order: np.ndarray
         made_stage = True
         (stage / names.SHARDS_DIR).mkdir()
         (stage / names.INDEX_DIR).mkdir()
-        linked, copied, entries = _place_shards(parts, stage / names.SHARDS_DIR, progress)
-        manifest = _write_index(parts, stage, hashes[order], order, entries, classes, fields, extra)
+        linked, copied = _place_shards(parts, plan, stage / names.SHARDS_DIR, progress)
+        manifest = write_merged_index(plan, stage / names.INDEX_DIR, [new for _i, _e, new in merged_shards(plan)])
         atomic_write(stage / names.MANIFEST, fmt.dump_manifest(manifest))
         fsync_dir(stage)
         # the commit: shards and index into place, the manifest last
@@ -445,33 +326,26 @@ def _remove_stage(stage: Path) -> None:
     stage.rmdir()
 
 
-def _place_shards(parts: list[_Part], shards_dir: Path, progress: bool | None) -> tuple[int, int, list[ShardEntry]]:
+def _place_shards(parts: list[_Part], plan: MergePlan, shards_dir: Path, progress: bool | None) -> tuple[int, int]:
     """Each part's shards (and cold copies) under their merged names: hard links, or verified copies."""
-    total = sum(e.bytes for p in parts for e in p.m.shards)
+    placed = merged_shards(plan)
     linked = copied = 0
-    entries: list[ShardEntry] = []
-    bar = make_progress(total or None, "merge", progress)
+    bar = make_progress(sum(e.bytes for _i, e, _new in placed) or None, "merge", progress)
     try:
-        for p in parts:
-            for e in p.m.shards:
-                new_id = p.shard_base + e.id
-                name = names.shard_name(new_id)
-                how = _place(p.gen.shards_dir / e.name, shards_dir / name, e.bytes, e.sha256)
-                zst = None
-                if e.zst is not None:
-                    zname = names.zst_name(name)
-                    _place(p.gen.shards_dir / e.zst.name, shards_dir / zname, e.zst.bytes, e.zst.sha256)
-                    zst = ZstCopy(zname, e.zst.bytes, e.zst.sha256, e.zst.seek_bytes, e.zst.seek_sha256)
-                entries.append(ShardEntry(new_id, name, e.records, e.bytes, e.sha256, zst))
-                if how == "link":
-                    linked += e.bytes
-                else:
-                    copied += e.bytes
-                bar.update(e.bytes)
+        for i, e, new in placed:
+            src = parts[i].gen.shards_dir
+            how = _place(src / e.name, shards_dir / new.name, e.bytes, e.sha256)
+            if e.zst is not None and new.zst is not None:
+                _place(src / e.zst.name, shards_dir / new.zst.name, e.zst.bytes, e.zst.sha256)
+            if how == "link":
+                linked += e.bytes
+            else:
+                copied += e.bytes
+            bar.update(e.bytes)
     finally:
         bar.close()
     fsync_dir(shards_dir)
-    return linked, copied, entries
+    return linked, copied
 
 
 def _place(src: Path, dst: Path, size: int, sha256: str) -> str:
@@ -511,43 +385,6 @@ def _copy_checked(src: Path, dst: Path, size: int, sha256: str) -> None:
     if n != size or h.hexdigest() != sha256:
         raise CorruptDatasetError(f"{src} does not match its manifest's size and sha256; nothing was written; "
                                   f"run `kvdata verify {src.parent.parent}` and restore the shard")
-
-
-def _write_index(parts: list[_Part], stage: Path, sorted_hashes: np.ndarray, order: np.ndarray,
-                 entries: list[ShardEntry],
-                 classes: tuple[str, ...], fields: dict[str, dict[str, Any]], extra: dict[str, Any]) -> Manifest:
-    """The merged side-index (records concatenated, samples with shard ids moved by each part's
-    shard base, one key run of every key) and its manifest; nothing is named by a manifest yet."""
-    index_dir = stage / names.INDEX_DIR
-    samples_name, records_name = names.samples_name(GENERATION), names.records_name(GENERATION)
-    samples = np.concatenate([p.gen.index.samples for p in parts])  # one file each, one fsync
-    records = np.concatenate([p.gen.index.records for p in parts])
-    start = 0
-    for p in parts:
-        rows = samples[start:start + p.m.count]
-        if len(rows) and int(rows["shard"].max()) >= len(p.m.shards):
-            raise CorruptDatasetError(f"{p.root}: a sample points into its open tail; seal it first with "
-                                      f"`kvdata seal {p.root}`")
-        rows["shard"] += np.uint32(p.shard_base)
-        start += p.m.count
-    count, records_count = len(samples), len(records)
-    if count:
-        ix.write_new(index_dir / samples_name, samples)
-    if records_count:
-        ix.write_new(index_dir / records_name, records)
-    runs: tuple[KeyRunEntry, ...] = ()
-    if count:
-        run = names.keys_name(GENERATION, 0)
-        ix.write_key_run(index_dir / run, sorted_hashes, order.astype(np.uint64))  # already sorted: O(n)
-        runs = (KeyRunEntry(run, count),)
-    fsync_dir(index_dir)
-    first = parts[0].m
-    n = len(entries)
-    return Manifest(generation=GENERATION, count=count, shard_size=first.shard_size, compress=first.compress,
-                    shards=tuple(entries), tail=TailEntry(n, names.tail_name(n), 0),
-                    index=IndexFiles(samples_name if count else None, records_name if records_count else None,
-                                     records_count, runs),
-                    fields=fields, classes=classes, extra=extra)
 
 
 # ---------------------------------------------------------------- --move

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ChecksumMismatchError, ReadOnlyError, RemoteError
+from ..errors import ChecksumMismatchError, KVDataError, ReadOnlyError, RemoteError
 
 PART_SIZE = 8 << 20
 READ_LIMIT = 1 << 30   # default cap of Home.read (callers reading metadata pass a smaller one)
@@ -18,6 +19,15 @@ READ_LIMIT = 1 << 30   # default cap of Home.read (callers reading metadata pass
 
 def is_url(path: str | os.PathLike[str]) -> bool:
     return isinstance(path, str) and ("://" in path)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a home tells of one object without reading it (`Home.info`)."""
+
+    size: int
+    sha256: str | None = None   # the sha256 recorded when it was uploaded or copied (None: not recorded)
+    tag: str | None = None      # the version a conditional copy pins (an S3 ETag), where the home has one
 
 
 class Home:
@@ -61,6 +71,25 @@ class Home:
         file, or no way to tell (HTTP, passed files). `kvdata push` uploads an object again
         unless this equals the sha256 its manifest gives, so None only costs an upload."""
         return None
+
+    def info(self, name: str) -> ObjectInfo | None:
+        """The object's size and recorded sha256, or None if there is no such object."""
+        try:
+            size = self.size(name)
+        except RemoteError:
+            return None
+        return ObjectInfo(size, self.sha256(name))
+
+    def can_copy_from(self, src: Home) -> bool:
+        """Whether `copy_from(src, ...)` copies inside the store that holds both homes."""
+        return False
+
+    def copy_from(self, src: Home, src_name: str, name: str, info: ObjectInfo, sha256: str) -> None:
+        """Make `name` here a copy of `src_name` at `src` (as `info` described it) without its bytes
+        passing through this process, recording `sha256` (already checked against what `src`
+        recorded) where the home records one. `kvdata merge` places shards at a home this way."""
+        raise KVDataError(f"{self.url} cannot copy objects from {src.url} in place; merge parts at one s3:// or fsspec "
+                          "home, or merge local copies of the parts and push the result")
 
     def put_file(self, name: str, path: Path, sha256: str | None = None) -> None:
         """Upload the local file `path` as `name`. With `sha256`, the file must hash to it

@@ -18,6 +18,7 @@ import stat
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,13 @@ from .._util.fsutil import create_exclusive, fsync_dir, read_regular, unlink_qui
 from ..errors import KVDataError, NotADatasetError, RemoteError
 from ..format import names
 from ..format.codec import CHUNK, file_sha256
-from .home_base import PART_SIZE, READ_LIMIT, Home, is_url  # noqa: F401 -- is_url re-exported (callers import it from here)
+from .home_base import PART_SIZE, READ_LIMIT, Home, ObjectInfo, is_url  # noqa: F401 -- is_url re-exported
 
 SHA256_XATTR = "user.kvdata.sha256"   # a local home file's recorded sha256 (see LocalHome.sha256)
 S3_SHA256_META = "sha256"             # an S3 object's recorded sha256: the header x-amz-meta-sha256
+MAX_COPY_OBJECT = 5 << 30             # S3's CopyObject limit; larger objects are copied part by part
+COPY_PART = 512 << 20                 # the size of each UploadPartCopy of a larger object
+COPY_PARTS_IN_FLIGHT = 8
 
 
 class LocalHome(Home):
@@ -229,11 +233,66 @@ class S3Home(Home):
         one HEAD; None for a missing object or one without (or with a malformed) record.
         An S3 object's bytes and metadata are replaced together, so the record cannot go stale."""
         try:
-            head = self._call(self._client.head_object, name)
+            got = self.info(name)
         except RemoteError:
             return None
+        return got.sha256 if got is not None else None
+
+    def info(self, name: str) -> ObjectInfo | None:
+        """Size, recorded sha256 and ETag from one HEAD; None for a missing object."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self._key(name))
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            if code in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise RemoteError(f"{self.where(name)}: {code or e}") from None
+        except BotoCoreError as e:
+            raise RemoteError(f"{self.where(name)}: {e}") from None
         value = (head.get("Metadata") or {}).get(S3_SHA256_META)
-        return value if is_sha256(value) else None
+        return ObjectInfo(int(head["ContentLength"]), value if is_sha256(value) else None, head.get("ETag"))
+
+    def can_copy_from(self, src: Home) -> bool:
+        """Any s3:// home: this process reaches every bucket through one endpoint and one set of
+        credentials (the AWS settings), so the server copies between them."""
+        return isinstance(src, S3Home)
+
+    def copy_from(self, src: Home, src_name: str, name: str, info: ObjectInfo, sha256: str, *,
+                  multipart_over: int = MAX_COPY_OBJECT, part_size: int = COPY_PART) -> None:
+        """A server-side copy: CopyObject up to `multipart_over` bytes (S3's limit is 5 GiB), else
+        a multipart upload of UploadPartCopy ranges; the copy's metadata records `sha256`. The
+        source is pinned to the version `info` describes (CopySourceIfMatch its ETag), so what is
+        copied is what was checked. No byte of the object passes through this process."""
+        if not isinstance(src, S3Home):
+            super().copy_from(src, src_name, name, info, sha256)
+            return
+        source = {"Bucket": src.bucket, "Key": src._key(src_name)}
+        pin = {"CopySourceIfMatch": info.tag} if info.tag else {}
+        meta = {S3_SHA256_META: sha256}
+        if info.size <= multipart_over:
+            self._call(self._client.copy_object, name, CopySource=source, MetadataDirective="REPLACE", Metadata=meta,
+                       **pin)
+            return
+        upload = self._call(self._client.create_multipart_upload, name, Metadata=meta)["UploadId"]
+        try:
+            def part(n: int) -> dict[str, Any]:
+                start = (n - 1) * part_size
+                end = min(start + part_size, info.size) - 1
+                r = self._call(self._client.upload_part_copy, name, UploadId=upload, PartNumber=n, CopySource=source,
+                               CopySourceRange=f"bytes={start}-{end}", **pin)
+                return {"PartNumber": n, "ETag": r["CopyPartResult"]["ETag"]}
+
+            with ThreadPoolExecutor(COPY_PARTS_IN_FLIGHT, thread_name_prefix="kvdata-copy") as pool:
+                parts = list(pool.map(part, range(1, -(-info.size // part_size) + 1)))
+            self._call(self._client.complete_multipart_upload, name, UploadId=upload, MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(name), UploadId=upload)
+            except Exception:  # the upload was completed, or the store is unreachable: S3 expires it
+                pass
+            raise
 
     def put_file(self, name: str, path: Path, sha256: str | None = None) -> None:
         from boto3.s3.transfer import TransferConfig

@@ -93,6 +93,16 @@ class S3Server:
     endpoint: str
     bucket: str
     env: dict[str, str]          # what a process needs to reach it (boto3 reads these)
+    log: Path | None = None      # the server's log: one line per request ("GET /bucket/key HTTP/1.1" 206)
+
+    def requests_since(self, offset: int) -> list[str]:
+        """The request lines the server logged after `offset` bytes of its log (len of an earlier read)."""
+        assert self.log is not None
+        return [line for line in self.log.read_text(errors="replace")[offset:].splitlines() if '"' in line]
+
+    def log_size(self) -> int:
+        assert self.log is not None
+        return len(self.log.read_text(errors="replace"))
 
     def url(self, prefix: str) -> str:
         return f"s3://{self.bucket}/{prefix}"
@@ -138,7 +148,7 @@ def running_s3_server(state: Path) -> Iterator[S3Server]:
                 mp.setenv(k, v)
             mp.delenv("AWS_PROFILE", raising=False)
             mp.delenv("AWS_SESSION_TOKEN", raising=False)
-            server = S3Server(endpoint, BUCKET, env)
+            server = S3Server(endpoint, BUCKET, env, log)
             server.client().create_bucket(Bucket=BUCKET)
             yield server
     finally:

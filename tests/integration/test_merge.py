@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.cli import Cli
+from helpers.parts import CLASSES, records, same, write_part
 
 import kvdata
 from kvdata.errors import (
@@ -32,39 +33,6 @@ from kvdata.reader.open import verify
 from kvdata.store.lock import WriterLock
 from kvdata.store.merge import STAGING, merge
 
-CLASSES = ["cat", "dog", "eel", "fox"]
-
-
-def _records(part: int, n: int) -> list[tuple[str, Any, int | None]]:
-    """Arrays of varying shape with labels, scalars, strings, and raw byte records without labels."""
-    rng = np.random.default_rng(part)
-    out: list[tuple[str, Any, int | None]] = []
-    for j in range(n):
-        key = f"part{part}/{j:05d}"
-        if j % 4 == 3:
-            out.append((key, rng.bytes(int(rng.integers(1, 3000))), None))
-        else:
-            img = rng.integers(0, 255, size=(int(rng.integers(2, 9)), 5, 3), dtype=np.uint8)
-            out.append((key, {"image": img, "score": float(j) / 7, "name": key.upper(), "id": j}, j % 4))
-    return out
-
-
-def _write(path: Path, recs: list[tuple[str, Any, int | None]], *, deletes: int = 0,
-           classes: list[str] | None = CLASSES, seal: bool = True) -> None:
-    """A dataset of small shards; `deletes` records are overwritten and deleted again, so its
-    sealed shards hold dead records and tombstones too."""
-    with kvdata.open(path, "a", shard_size="64KB") as s:
-        s.put_many(recs)
-        for k, v, lab in recs[:deletes]:
-            s.put(k + "-gone", b"x")
-            s.delete(k + "-gone")
-            s.put(k, v, label=lab)  # an overwrite of the same value: the old slot is dead
-        if classes is not None:
-            s.set_classes(classes)
-        if seal:
-            s.seal()
-        s.commit()
-
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
@@ -74,21 +42,9 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     out = []
     for i, n in enumerate((300, 1, 250)):
         p = d / f"p{i}.kv"
-        _write(p, _records(i, n), deletes=20 if i == 0 else 0)
+        write_part(p, records(i, n), deletes=20 if i == 0 else 0)
         out.append(p)
     return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
-    if isinstance(a, memoryview | bytes):
-        return bytes(a) == bytes(b)
-    if isinstance(a, kvdata.Ragged):
-        return _same(a.values, b.values) and _same(a.offsets, b.offsets)
-    return bool(a == b)
 
 
 def _manifest(path: Path) -> Any:
@@ -110,7 +66,7 @@ def _snapshot(path: Path) -> dict[str, tuple[int, int]]:
 def test_merged_reads_like_one_dataset_written_in_one_go(parts: list[Path], tmp_path: Path) -> None:
     before = [_snapshot(p) for p in parts]
     whole = tmp_path / "whole.kv"
-    _write(whole, [r for i in range(3) for r in _records(i, (300, 1, 250)[i])])
+    write_part(whole, [r for i in range(3) for r in records(i, (300, 1, 250)[i])])
     out = tmp_path / "merged.kv"
     summary = merge(parts, out)
     assert summary["samples"] == 551 and summary["bytes_copied"] == 0
@@ -122,12 +78,12 @@ def test_merged_reads_like_one_dataset_written_in_one_go(parts: list[Path], tmp_
         assert (m.labels == w.labels).all()
         assert list(m.keys()) == list(w.keys())
         for i in range(len(w)):
-            assert _same(m[i], w[i]), i
+            assert same(m[i], w[i]), i
         for k in list(w.keys())[::7] + ["part1/00000", "part2/00249"]:
-            assert m.find(k) == w.find(k) and _same(m[k], w[k]), k
+            assert m.find(k) == w.find(k) and same(m[k], w[k]), k
         assert "part0/00001-gone" not in m and m.find("nope") is None
         batch_w, batch_m = w.get_batch([0, 1, 300, 302]), m.get_batch([0, 1, 300, 302])
-        assert batch_w.keys() == batch_m.keys() and all(_same(batch_w[k], batch_m[k]) for k in batch_w)
+        assert batch_w.keys() == batch_m.keys() and all(same(batch_w[k], batch_m[k]) for k in batch_w)
         n_shards = len(m.manifest.shards)
     assert n_shards == sum(len(_manifest(p).shards) for p in parts) == summary["shards"]
     assert verify(out, progress=False)["ok"]
@@ -162,7 +118,7 @@ def kvdata_cli(cwd: Path, *args: Any) -> Any:
 
 def test_duplicate_keys_are_named_and_nothing_is_written(parts: list[Path], tmp_path: Path) -> None:
     dup = tmp_path / "dup.kv"
-    _write(dup, [("z/only-here", b"z", None), ("part2/00007", b"again", None), ("part0/00011", b"again", None)])
+    write_part(dup, [("z/only-here", b"z", None), ("part2/00007", b"again", None), ("part0/00011", b"again", None)])
     out = tmp_path / "out.kv"
     with pytest.raises(InvalidKeyError) as e:
         merge([*parts, dup], out)
@@ -211,7 +167,7 @@ def test_destination_must_be_new_or_empty(parts: list[Path], tmp_path: Path) -> 
 
 def test_part_with_an_open_tail_is_refused_or_sealed(parts: list[Path], tmp_path: Path) -> None:
     tailed = tmp_path / "tailed.kv"
-    _write(tailed, [("t/1", b"one", 1), ("t/2", {"image": np.zeros((3, 5, 3), np.uint8)}, 2)], seal=False)
+    write_part(tailed, [("t/1", b"one", 1), ("t/2", {"image": np.zeros((3, 5, 3), np.uint8)}, 2)], seal=False)
     assert _manifest(tailed).tail.records == 2
     before = _snapshot(tailed)
     out = tmp_path / "out.kv"
@@ -227,7 +183,7 @@ def test_part_with_an_open_tail_is_refused_or_sealed(parts: list[Path], tmp_path
 
 def test_a_refused_merge_seals_nothing(parts: list[Path], tmp_path: Path) -> None:
     tailed = tmp_path / "tailed.kv"
-    _write(tailed, [("t/1", b"one", 1), ("part0/00003", b"dup", None)], seal=False)
+    write_part(tailed, [("t/1", b"one", 1), ("part0/00003", b"dup", None)], seal=False)
     before = _snapshot(tailed)
     with pytest.raises(InvalidKeyError, match="part0/00003"):
         merge([parts[0], tailed], tmp_path / "out.kv", seal=True)
@@ -238,7 +194,7 @@ def test_a_key_deleted_in_a_later_part_is_refused_reindex_would_drop_it(tmp_path
     """A later part's delete of a key an earlier part holds: reindex replays shards in order and
     would delete it, so that order is refused; the other order is the same data, and is fine."""
     live, deleted = tmp_path / "live.kv", tmp_path / "deleted.kv"
-    _write(live, [("a", b"A", 0), ("shared", b"kept", 1)])
+    write_part(live, [("a", b"A", 0), ("shared", b"kept", 1)])
     with kvdata.open(deleted, "a") as s:
         s.put("b", b"B", label=2)
         s.put("shared", b"old")
@@ -273,13 +229,13 @@ def test_extras_the_parts_agree_on_are_kept(tmp_path: Path) -> None:
 
 def test_classes_that_disagree_are_refused_a_prefix_is_not(parts: list[Path], tmp_path: Path) -> None:
     other = tmp_path / "other.kv"
-    _write(other, [("o/1", b"1", 0)], classes=["cat", "cow"])
+    write_part(other, [("o/1", b"1", 0)], classes=["cat", "cow"])
     with pytest.raises(InvalidValueError, match="label 1 is 'cow' here and 'dog' there"):
         merge([parts[0], other], tmp_path / "out.kv")
     assert not (tmp_path / "out.kv").exists()
     fewer, none = tmp_path / "fewer.kv", tmp_path / "none.kv"
-    _write(fewer, [("f/1", b"1", 0)], classes=["cat", "dog"])
-    _write(none, [("n/1", b"1", None)], classes=None)
+    write_part(fewer, [("f/1", b"1", 0)], classes=["cat", "dog"])
+    write_part(none, [("n/1", b"1", None)], classes=None)
     merge([none, fewer, parts[1]], tmp_path / "ok.kv")
     with kvdata.open(tmp_path / "ok.kv") as m:
         assert m.classes == CLASSES and len(m) == 3
@@ -390,7 +346,7 @@ def _fork_merge(args: list[Path], dest: Path, delay: float | None) -> float | No
 @pytest.mark.timeout(120)
 def test_sigkill_during_merge_leaves_no_dataset_or_a_complete_one(parts: list[Path], tmp_path: Path) -> None:
     more = tmp_path / "more.kv"  # more samples: sorting and writing the index take a while too
-    _write(more, [(f"more/{j}", b"", j % 4) for j in range(8000)])
+    write_part(more, [(f"more/{j}", b"", j % 4) for j in range(8000)])
     args = [*parts, more]
     expect = sum(_count(p) for p in args)
     before = [_snapshot(p) for p in args]
