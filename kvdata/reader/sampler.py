@@ -126,46 +126,21 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         mine = self.indices()
         start, self._start = self._start, 0
         self._yielded = start
-        step = self._announcer(mine, start)
+        step = self._announce(mine, start)
         chunk = 256 if step is None else 32  # report progress often enough for the stager
-        first = True
         for chunk_start in range(start, len(mine), chunk):
-            # the first chunk goes out before the order is announced: planning the announcement
-            # (this epoch's shard sequence and the next one's) costs as much as the order itself,
-            # and the first index should come no later than from torch's RandomSampler
-            if step is not None and (not first or len(mine) - start <= chunk):
+            if step is not None:
                 step(chunk_start)
             for i in mine[chunk_start:chunk_start + chunk].tolist():
                 self._yielded += 1
                 yield i
-            if first and step is not None and len(mine) - start > chunk:
-                step(start)
-            first = False
 
-    def _announcer(self, mine: np.ndarray, start: int) -> Any:
-        """A callback that announces this epoch's shard sequence on its first call, then reports
-        progress (None when nothing listens)."""
+    def _announce(self, mine: np.ndarray, start: int) -> Any:
+        """Announce this epoch's shard sequence; return a callback reporting progress."""
         announce = getattr(self._dataset, "announce", None)
         report = getattr(self._dataset, "progress", None)
         if announce is None or not len(mine) or not getattr(self._dataset, "wants_orders", True):
             return None  # nothing listens (a dataset read in place): no order bookkeeping
-        state: dict[str, Any] = {}
-
-        def step(i: int) -> None:
-            position = state.get("position")
-            if position is None:
-                position = state["position"] = self._announce(announce, mine, start)
-                state["last"] = position(start)
-            p = position(i)
-            if p != state["last"] and report is not None:
-                state["last"] = p
-                report(self._reader, p)
-
-        return step
-
-    def _announce(self, announce: Any, mine: np.ndarray, start: int) -> Any:
-        """Announce this epoch's shard sequence; return the reader's position (in shards of
-        that sequence) after a given sample."""
         shards = self._shards[mine]
         seq = order_mod.first_use_order(shards)
         rank_of = np.zeros(int(shards.max()) + 1, dtype=np.int64)
@@ -180,7 +155,15 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         # it lets eviction keep what the next epoch reads first instead of flushing at the boundary
         following = order_mod.first_use_order(self._shards[self._order_of(self.epoch + 1)]) if self.shuffle else seq
         announce(self._reader, seq.tolist() + following.tolist(), position(start))
-        return position
+        last = [position(start)]
+
+        def step(i: int) -> None:
+            p = position(i)
+            if p != last[0] and report is not None:
+                last[0] = p
+                report(self._reader, p)
+
+        return step
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where to resume. `consumed` = samples of this epoch the training loop has

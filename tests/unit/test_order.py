@@ -274,10 +274,11 @@ def test_a_sampler_over_a_dataset_nobody_stages_does_no_order_bookkeeping() -> N
     assert quiet.announced == []
 
 
-def test_the_first_indices_come_before_the_order_is_announced() -> None:
-    """Issue 13: the first index must come no later than from torch's RandomSampler, so planning
-    the announcement (this epoch's and the next epoch's shard sequences) waits until the first
-    chunk of indices is out; a rank whose share is one chunk or less announces at once."""
+def test_the_order_and_the_next_are_announced_before_the_first_index() -> None:
+    """The stager must know this epoch's shard sequence and the next epoch's before the first
+    reads: its keep set (the shards the next pass reads first) decides which shards are staged
+    whole, and a worker reading before the announcement would stage whole a shard read once
+    (test_record_reads.py::test_dataloader_workers_stage_only_the_keep_set_of_the_samplers_order)."""
     from kvdata.reader.sampler import ShardShuffleSampler
 
     class Listening:
@@ -294,20 +295,19 @@ def test_the_first_indices_come_before_the_order_is_announced() -> None:
         def progress(self, reader: str, position: int) -> None:
             pass
 
-    big = Listening(2000)
-    sampler = ShardShuffleSampler(big, seed=3)
+    ds = Listening(2000)
+    sampler = ShardShuffleSampler(ds, seed=3)
     out = []
     for i in sampler:
         out.append(i)
-        big.drawn += 1
+        ds.drawn += 1
     assert sorted(out) == list(range(2000))
-    assert len(big.announced) == 1
-    drawn, seq, position = big.announced[0]
-    assert drawn == 32 and position == 0 and len(seq) == 20  # after the first chunk of 32 indices
-    shards = big.sample_shards[np.array(out)]
+    assert len(ds.announced) == 1
+    drawn, seq, position = ds.announced[0]
+    assert drawn == 0 and position == 0 and len(seq) == 20
+    shards = ds.sample_shards[np.array(out)]
     _, first = np.unique(shards, return_index=True)
     assert seq[:10] == shards[np.sort(first)].tolist()  # this epoch's shards in first-use order
-
-    small = Listening(20)
-    first_index = next(iter(ShardShuffleSampler(small, seed=3)))
-    assert small.announced and small.announced[0][0] == 0 and 0 <= first_index < 20
+    nxt = ds.sample_shards[sampler.indices(1)]
+    _, first = np.unique(nxt, return_index=True)
+    assert seq[10:] == nxt[np.sort(first)].tolist()  # then the next epoch's
