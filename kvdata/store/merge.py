@@ -24,7 +24,6 @@ dataset is committed (files the part's manifest does not name, e.g. lost+found/,
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import stat
@@ -50,14 +49,14 @@ from ..errors import (
 from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, ZstCopy, names
 from . import index as ix
 from .generation import Generation, load_generation
+from .linking import link_or_copy
 from .lock import WriterLock
 from .reader import Reader
-from .shards import ENVS, NO_LINK_ERRNOS, open_sealed_lmdb
+from .shards import ENVS, open_sealed_lmdb
 
 STAGING = ".kvdata-merge.tmp"  # the merge's own staging directory under the destination
 GENERATION = 1                 # the merged dataset's first generation
 SHOW_DUPLICATES = 5            # duplicate keys named in the error
-COPY_CHUNK = 8 << 20
 
 __all__ = ["merge", "STAGING"]
 
@@ -456,11 +455,12 @@ def _place_shards(parts: list[_Part], shards_dir: Path, progress: bool | None) -
             for e in p.m.shards:
                 new_id = p.shard_base + e.id
                 name = names.shard_name(new_id)
-                how = _place(p.gen.shards_dir / e.name, shards_dir / name, e.bytes, e.sha256)
+                how = link_or_copy(p.gen.shards_dir / e.name, shards_dir / name, e.bytes, e.sha256, "merged")
                 zst = None
                 if e.zst is not None:
                     zname = names.zst_name(name)
-                    _place(p.gen.shards_dir / e.zst.name, shards_dir / zname, e.zst.bytes, e.zst.sha256)
+                    link_or_copy(p.gen.shards_dir / e.zst.name, shards_dir / zname, e.zst.bytes, e.zst.sha256,
+                                 "merged")
                     zst = ZstCopy(zname, e.zst.bytes, e.zst.sha256, e.zst.seek_bytes, e.zst.seek_sha256)
                 entries.append(ShardEntry(new_id, name, e.records, e.bytes, e.sha256, zst))
                 if how == "link":
@@ -472,45 +472,6 @@ def _place_shards(parts: list[_Part], shards_dir: Path, progress: bool | None) -
         bar.close()
     fsync_dir(shards_dir)
     return linked, copied, entries
-
-
-def _place(src: Path, dst: Path, size: int, sha256: str) -> str:
-    """`dst` as a hard link to `src` ("link"), or where links are refused a copy whose size and
-    sha256 match the manifest ("copy"). A file swapped for a symlink meanwhile is refused."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except FileNotFoundError:
-        raise MissingShardError(f"{src} was removed while it was merged (a writer rewriting that part?); nothing "
-                                "was written; merge again once no one writes the parts") from None
-    except OSError as e:
-        if e.errno not in NO_LINK_ERRNOS:
-            raise
-        _copy_checked(src, dst, size, sha256)
-        return "copy"
-    st = os.lstat(dst)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-        raise CorruptDatasetError(f"{src} changed while it was merged (now not a {size}-byte file); "
-                                  "nothing was written; check the part and merge again")
-    return "link"
-
-
-def _copy_checked(src: Path, dst: Path, size: int, sha256: str) -> None:
-    h = hashlib.sha256()
-    n = 0
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        with open(dst, "xb") as out:
-            while chunk := os.read(fd, COPY_CHUNK):
-                h.update(chunk)
-                out.write(chunk)
-                n += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-    finally:
-        os.close(fd)
-    if n != size or h.hexdigest() != sha256:
-        raise CorruptDatasetError(f"{src} does not match its manifest's size and sha256; nothing was written; "
-                                  f"run `kvdata verify {src.parent.parent}` and restore the shard")
 
 
 def _write_index(parts: list[_Part], stage: Path, sorted_hashes: np.ndarray, order: np.ndarray,
@@ -576,6 +537,9 @@ def _remove_part(p: _Part) -> list[str]:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             left += sorted(f"{sub}/{n}" for n in os.listdir(root / sub))
+    for reg in root.glob("readers-i*.lock"):  # the part's reader registries (store.pins): nothing to pin any more
+        if names.parse_reader_pin_name(reg.name) is not None:
+            unlink_quiet(reg)
     unlink_quiet(root / names.LOCK)  # ours (held since the merge began); unlinking it frees no one
     try:
         root.rmdir()

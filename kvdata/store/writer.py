@@ -4,7 +4,8 @@ Commit protocol (a crash at any instant leaves the old or the new generation):
   1. the tail's LMDB transaction commits and is synced (sealed shards were fsync'ed when sealed);
   2. the new side-index rows/runs go to files no reader of the old generation looks at, fsync'ed;
   3. manifest.json is replaced by rename (the commit point), and the directory fsync'ed;
-  4. files the new generation no longer references are removed.
+  4. files the new generation no longer references are removed (and those of a compacted
+     generation that no reader pins any more: store.retire).
 Opening a writer (and a failed commit) runs recovery, which first checks that every file the
 manifest names is there, then cuts the tail back to the slots the manifest committed and puts
 files the manifest does not name out of the way: leftovers it can account for (temp files,
@@ -48,7 +49,7 @@ from . import index as ix
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .reader import Reader
-from .recovery import LeftBehind, holds_data, tidy
+from .recovery import LeftBehind, holds_data, settle, tidy
 from .shards import ENVS, Hasher, open_tail_for_write, release_dead_pages, seal, truncate_tail
 
 LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
@@ -446,6 +447,7 @@ class Writer:
             unlink_quiet(self.shards_dir / old_tail)
             unlink_quiet(self.shards_dir / names.lmdb_lock_name(old_tail))
         self._old_envs.clear()
+        settle(self.root, new_m)  # files of a compacted generation whose readers have gone (store.retire)
         self.m = new_m
         self.pending = Pending()
         self._written.clear()

@@ -104,7 +104,7 @@ def _count(path: Path) -> int:
 def _snapshot(path: Path) -> dict[str, tuple[int, int]]:
     """(inode, size) of every file of a dataset: a part that was not modified keeps them all."""
     return {str(p.relative_to(path)): (p.stat().st_ino, p.stat().st_size) for p in sorted(path.rglob("*"))
-            if p.is_file() and p.name != names.LOCK}
+            if p.is_file() and p.name != names.LOCK and names.parse_reader_pin_name(p.name) is None}
 
 
 def test_merged_reads_like_one_dataset_written_in_one_go(parts: list[Path], tmp_path: Path) -> None:
@@ -137,7 +137,8 @@ def test_merged_reads_like_one_dataset_written_in_one_go(parts: list[Path], tmp_
     part_shards = [p / names.SHARDS_DIR / e.name for p in parts for e in _manifest(p).shards]
     assert [p.name for p in merged_shards] == [names.shard_name(i) for i in range(n_shards)]
     assert [p.stat().st_ino for p in merged_shards] == [p.stat().st_ino for p in part_shards]
-    assert sorted(os.listdir(out)) == sorted([names.LOCK, names.MANIFEST, names.SHARDS_DIR, names.INDEX_DIR])
+    assert sorted(os.listdir(out)) == sorted([names.LOCK, names.MANIFEST, names.SHARDS_DIR, names.INDEX_DIR,
+                                              names.reader_pin_name(0)])  # (its readers' registry: store.pins)
     assert [_snapshot(p) for p in parts] == before  # parts untouched, and still read
     assert all(verify(p, progress=False)["ok"] for p in parts)
 
