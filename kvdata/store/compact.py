@@ -34,11 +34,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from .. import format as fmt
+from .._util.checksum import crc32
 from .._util.fsutil import atomic_write, fsync_dir
 from .._util.progress import progress as make_progress
 from ..errors import CorruptDatasetError, KVDataError, MissingShardError, ReadOnlyError
@@ -285,6 +286,7 @@ class _Job:
         Returns (new manifest, record bytes copied, bytes of new files written)."""
         journal = self._journal()
         k = journal.to_incarnation
+        self._refuse_strangers(k)
         write_journal(self.root, journal)
         try:
             create_registry(self.root, k)
@@ -302,6 +304,17 @@ class _Job:
                 rollback(self.root, journal)
             raise
         return new_m, copied, written
+
+    def _refuse_strangers(self, k: int) -> None:
+        """Nothing may hold a name of incarnation K yet (recovery moved any such file aside): a
+        file there now was planted, and undoing this compaction must never remove it."""
+        there = [self.root / names.reader_pin_name(k), self.root / names.compact_journal_name(k)]
+        there += [p for p in self.gen.shards_dir.iterdir() if names.incarnation_of(p.name.removesuffix(".tmp")) == k]
+        there += [p for p in (self.root / names.INDEX_DIR).iterdir() if names.index_generation(p.name) == k]
+        for p in there:
+            if os.path.lexists(p):
+                raise CorruptDatasetError(f"{p} exists and kvdata did not make it (compaction is about to use that "
+                                          "name); move it away, then compact again; nothing was changed")
 
     def _write_shards(self, k: int) -> tuple[list[ShardEntry], list[np.ndarray], int, int]:
         shards_dir = self.gen.shards_dir
@@ -359,9 +372,9 @@ class _Job:
         builder = ShardBuilder(dest, piece.bytes_estimate)
         copied = 0
         try:
-            for chunk in self._values(piece.positions):
-                builder.add(chunk)
-                n = sum(len(v) for v in chunk)
+            for values, head_kind in self._values(piece.positions):
+                builder.add(values, head_kind)
+                n = sum(len(v) for v in values)
                 copied += n
                 bar.update(n)
             rows, size = builder.finish()
@@ -370,36 +383,55 @@ class _Job:
             raise
         return rows, size, copied
 
-    def _values(self, positions: np.ndarray, chunk: int = 1024) -> Iterator[list[Any]]:
-        """The raw record values of sample positions, checked (prefix, kind, head, crc32), in chunks."""
+    def _values(self, positions: np.ndarray, chunk: int = 4096) -> Iterator[tuple[list[Any], np.ndarray]]:
+        """(raw record values, their head_kind) of sample positions, in chunks; each record is
+        checked first (magic, kind, head, crc32) so a damaged one is never copied into a shard
+        with a fresh checksum."""
         idx = self.gen.index
         for start in range(0, len(positions), chunk):
             pos = positions[start:start + chunk]
             shard, slot, rec = idx.resolve(pos)
-            sealed = rec >= 0
-            rows = np.zeros(len(pos), dtype=fmt.RECORD_DTYPE)
-            rows[sealed] = idx.records[rec[sealed]]
-            out: list[Any] = []
-            for s, sl, off, size, hk in zip(shard.tolist(), slot.tolist(), rows["offset"].tolist(),
-                                             rows["size"].tolist(), rows["head_kind"].tolist()):
-                if s >= idx.n_sealed:
-                    v: Any = self.tail[sl]
-                    where = f"{self.gen.tail_path}, slot {sl}"
-                    head = None
-                else:
-                    h = self._map(s)
-                    where = f"shard {h.path}, slot {sl}"
-                    head = hk & fmt.MAX_HEAD
-                    if off == int(fmt.UNKNOWN_OFFSET):
-                        v = h.lmdb_value(sl)
-                    elif off + head + size > len(h.mv):
-                        raise CorruptDatasetError(f"{where}: its index row points past the end of the shard; run "
-                                                  f"`kvdata reindex {self.root}`; nothing was changed")
-                    else:
-                        v = h.mv[off:off + head + size]
-                _check(v, head, where, self.root)
-                out.append(v)
-            yield out
+            out: list[Any] = [None] * len(pos)
+            head_kind = np.zeros(len(pos), dtype=np.uint32)
+            for j in np.flatnonzero(rec < 0).tolist():  # the tail's (values read at start)
+                sl = int(slot[j])
+                out[j], head_kind[j] = self.tail[sl], _checked(self.tail[sl], None, f"{self.gen.tail_path}, slot {sl}",
+                                                               self.root)
+            sealed_at = np.flatnonzero(rec >= 0)
+            for s in np.unique(shard[sealed_at]).tolist():
+                js = sealed_at[shard[sealed_at] == s]
+                self._sealed_values(s, js, slot[js], idx.records[rec[js]], out, head_kind)
+            yield out, head_kind
+
+    def _sealed_values(self, s: int, js: np.ndarray, slots: np.ndarray, rows: np.ndarray, out: list[Any],
+                       head_kind: np.ndarray) -> None:
+        """Values of one sealed shard's records (at `js` of the chunk), sliced from its map, the
+        headers checked against the index rows all at once, the crc32s one by one."""
+        h = self._map(s)
+        hk = rows["head_kind"]
+        head_kind[js] = hk
+        known = rows["offset"] != fmt.UNKNOWN_OFFSET
+        for j, sl, k in zip(js[~known].tolist(), slots[~known].tolist(), hk[~known].tolist()):
+            out[j] = h.lmdb_value(sl)  # offsets unknown (no /proc at seal time): through LMDB
+            _checked(out[j], k & fmt.MAX_HEAD, f"shard {h.path}, slot {sl}", self.root)
+        if not known.any():
+            return
+        js, slots, rows, hk = js[known], slots[known], rows[known], hk[known]
+        off = rows["offset"].astype(np.int64)
+        head = (hk & fmt.MAX_HEAD).astype(np.int64)
+        end = off + head + rows["size"]
+        bad = (end > len(h.mv)) | (head < fmt.PREFIX_SIZE)
+        if not bad.any():
+            pre = h.u8[off[:, None] + np.arange(fmt.PREFIX_SIZE)].view(_PREFIX_DTYPE)[:, 0]
+            bad = (pre["magic"] != fmt.MAGIC) | (pre["kind"] != (hk >> fmt.KIND_SHIFT)) \
+                | ((pre["kind"] != fmt.KIND_RAW) & (pre["kind"] != fmt.KIND_FIELDS)) | (pre["head"] != head)
+        if bad.any():
+            _damaged(f"shard {h.path}, slot {int(slots[np.flatnonzero(bad)[0]])}", self.root)
+        mv = h.mv
+        for j, sl, a, b, c in zip(js.tolist(), slots.tolist(), off.tolist(), end.tolist(), pre["crc"].tolist()):
+            if crc32(mv[a + fmt.PREFIX_SIZE:b], crc32(mv[a:a + fmt.PREFIX_SIZE - 4])) != c:
+                _damaged(f"shard {h.path}, slot {sl}", self.root)
+            out[j] = mv[a:b]
 
     def _map(self, shard_id: int) -> SealedShard:
         h = self._maps.get(shard_id)
@@ -433,17 +465,25 @@ class _Job:
                          index_sha256=None)
 
 
-def _check(v: Any, head: int | None, where: str, root: Path) -> None:
-    """A record about to be copied is a whole, undamaged sample record (the index's head, if given)."""
+_PREFIX_DTYPE = np.dtype([("magic", "u1"), ("kind", "u1"), ("version", "u1"), ("flags", "u1"), ("head", "<u4"),
+                          ("layout_len", "<u4"), ("meta_len", "<u4"), ("crc", "<u4")])  # = fmt.PREFIX
+
+
+def _checked(v: Any, head: int | None, where: str, root: Path) -> int:
+    """The head_kind of a record about to be copied, once it is known to be a whole, undamaged
+    sample record (with the index's head, if given)."""
     mv = memoryview(v)
-    ok = mv.nbytes >= fmt.PREFIX_SIZE
-    if ok:
+    if mv.nbytes >= fmt.PREFIX_SIZE:
         magic, kind, _ver, _flags, hd, _ll, _ml, _crc = fmt.PREFIX.unpack_from(mv, 0)
-        ok = magic == fmt.MAGIC and kind in (fmt.KIND_RAW, fmt.KIND_FIELDS) and hd <= mv.nbytes \
-            and (head is None or hd == head) and fmt.record_crc_ok(mv)
-    if not ok:
-        raise CorruptDatasetError(f"{where}: the record is damaged (crc32 or header mismatch); nothing was changed; "
-                                  f"run `kvdata verify {root}` and restore the shard")
+        if magic == fmt.MAGIC and kind in (fmt.KIND_RAW, fmt.KIND_FIELDS) and fmt.PREFIX_SIZE <= hd <= mv.nbytes \
+                and (head is None or hd == head) and fmt.record_crc_ok(mv):
+            return int(hd | kind << fmt.KIND_SHIFT)
+    _damaged(where, root)
+
+
+def _damaged(where: str, root: Path) -> NoReturn:
+    raise CorruptDatasetError(f"{where}: the record is damaged (crc32 or header mismatch); nothing was changed; "
+                              f"run `kvdata verify {root}` and restore the shard")
 
 
 def _incarnation_now(root: Path) -> int | None:

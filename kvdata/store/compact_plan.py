@@ -13,7 +13,8 @@ rebuilds to the very same order, with no tombstone or dead copy left to say othe
   Each maximal run of such samples is packed, in sample order, into new shards of at most
   shard_size (LMDB's per-record overhead counted as the writer counts it), balanced so the
   last one is not a sliver.
-- A run that is exactly one small shard, whole and in order, gains nothing from a copy: kept.
+- A run whose sealed records are exactly one small shard, whole and in order, gains nothing
+  from a copy: that shard is kept (a clean tail next to it does not make it worth copying).
 - The tail ends empty: the new generation's records are all sealed.
 
 A compaction is needed when some sealed shard would be rewritten or dropped, or the tail holds
@@ -74,12 +75,17 @@ def plan(samples: np.ndarray, shard_records: np.ndarray, shard_bytes: np.ndarray
     small = np.asarray(shard_bytes, np.int64) < int(shard_size * SMALL_FRACTION)
     keep = np.append(keepable & ~small, False)  # index n_sealed: the tail, never kept
     kept_pos = keep[shard]
-    # a run of copied samples that is one small shard, whole and in order: kept instead
+    # a run of copied samples whose sealed records are one small shard, whole and in order (the
+    # tail's records, if any, before or after it): that shard is kept instead
     for a, b in _runs(~kept_pos):
-        s = int(shard[a])
-        if s < n_sealed and keepable[s] and b - a == int(shard_records[s]) and bool((shard[a:b] == s).all()):
+        sealed_at = np.flatnonzero(shard[a:b] < n_sealed)
+        if not len(sealed_at):
+            continue
+        c, d = a + int(sealed_at[0]), a + int(sealed_at[-1]) + 1
+        s = int(shard[c])
+        if keepable[s] and d - c == len(sealed_at) == int(shard_records[s]) and bool((shard[c:d] == s).all()):
             keep[s] = True
-            kept_pos[a:b] = True
+            kept_pos[c:d] = True
     pieces: list[Piece] = []
     need = np.asarray(lengths, np.int64) + RECORD_OVERHEAD
     copied = 0

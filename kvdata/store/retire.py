@@ -78,6 +78,8 @@ def _parse(path: Path) -> Journal | None:
     name must be a shard-directory file of its old incarnation)."""
     to = names.parse_compact_journal_name(path.name)
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None  # a link planted at a journal's name is never followed
         d = json.loads(read_regular(path, MAX_JOURNAL))
     except (OSError, ValueError, RecursionError):
         return None
@@ -187,6 +189,9 @@ def sweep(root: Path, m: Manifest) -> Swept:
                 pending.add(j.from_incarnation)
         else:
             aside.append(path)
+    for path in root.glob("compact-i*.json.tmp*"):  # a compaction killed while writing its journal
+        if names.parse_compact_journal_name(path.name.split(".tmp")[0]) is not None:
+            unlink_quiet(path)
     for path in sorted(root.glob("readers-i*.lock")):
         inc = names.parse_reader_pin_name(path.name)
         if inc is None or inc == m.incarnation or inc in pending or inc > m.incarnation:

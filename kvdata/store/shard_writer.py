@@ -6,13 +6,13 @@ swapped meanwhile cannot redirect the write. Values are appended in slot order w
 MDB_APPEND (pages packed full, no B-tree splits to the left), a transaction every
 TXN_BYTES to bound dirty memory, without LMDB's lock file (nobody else opens a file that no
 manifest names yet). `finish` syncs it, learns every value's offset from LMDB's own map
-(shards.scan_env, as a seal does) and returns the side-index rows; nothing here hashes it.
+(shards.written_rows: the caller gives each record's head and kind) and returns the side-index
+rows; nothing here hashes it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 from .. import format as fmt
 from .._util.fsutil import unlink_quiet
 from ..errors import CorruptDatasetError
-from .shards import scan_env, tail_map_size
+from .shards import tail_map_size, written_rows
 
 TXN_BYTES = 64 << 20  # commit this often: LMDB keeps a transaction's dirty pages in memory
 PUT_BATCH = 256       # values handed to LMDB per putmulti call
@@ -46,9 +46,14 @@ class ShardBuilder:
         self._txn: Any = None
         self._txn_bytes = 0
         self.slots = 0
+        self._head_kind: list[np.ndarray] = []
 
-    def add(self, values: Iterable[Any]) -> None:
-        """Append values (bytes or buffers) in order as the next slots."""
+    def add(self, values: list[Any], head_kind: np.ndarray) -> None:
+        """Append values (bytes or buffers of whole records) in order as the next slots;
+        head_kind: each record's `head | kind << KIND_SHIFT`, as the side-index keeps it."""
+        if len(head_kind) != len(values):
+            raise ValueError("one head_kind per value")
+        self._head_kind.append(np.asarray(head_kind, dtype=np.uint32))
         batch: list[tuple[bytes, Any]] = []
         for v in values:
             batch.append((fmt.slot_key(self.slots + len(batch)), v))
@@ -78,7 +83,8 @@ class ShardBuilder:
     def finish(self) -> tuple[np.ndarray, int]:
         """(record rows, file size) of the complete, synced file."""
         self._commit()
-        rows = scan_env(self._env, self._via)
+        hk = np.concatenate(self._head_kind) if self._head_kind else np.zeros(0, np.uint32)
+        rows = written_rows(self._env, self._via, hk)
         self._env.close()
         self._env = None
         assert self._fd is not None

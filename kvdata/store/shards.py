@@ -535,6 +535,32 @@ def scan_env(env: lmdb.Environment, path: Path,
     return rows
 
 
+def written_rows(env: lmdb.Environment, path: Path, head_kind: np.ndarray) -> np.ndarray:
+    """Record rows of a shard just written by a caller that knows every record's head and kind
+    (`head_kind`, in slot order): like scan_env, but only each value's place in LMDB's map is
+    learned, not its header (a compaction writes tens of thousands of records a second)."""
+    try:
+        with ENVS.read(env, buffers=True) as txn:
+            views = list(txn.cursor().iternext(keys=False))
+            addrs = [np.frombuffer(v, np.uint8).__array_interface__["data"][0] for v in views]
+            sizes = [len(v) for v in views]
+            base = _map_base(path, addrs[0]) if addrs else None
+            del views
+    except lmdb.Error as e:
+        raise CorruptDatasetError(f"{path}: LMDB cannot read this shard ({e}); it was just written") from None
+    if len(addrs) != len(head_kind):
+        raise CorruptDatasetError(f"{path}: holds {len(addrs)} of the {len(head_kind)} records written")
+    rows = np.zeros(len(addrs), dtype=fmt.RECORD_DTYPE)
+    rows["head_kind"] = head_kind
+    rows["size"] = np.array(sizes, dtype=np.int64) - (np.asarray(head_kind, np.int64) & fmt.MAX_HEAD)
+    if base is not None:
+        rows["offset"] = np.array(addrs, dtype=np.uint64) - np.uint64(base)
+        _check_offsets(path, rows)
+    else:
+        rows["offset"] = fmt.UNKNOWN_OFFSET
+    return rows
+
+
 def _check_offsets(path: Path, rows: np.ndarray) -> None:
     """Cross-check a few offsets against the file itself; fall back to LMDB reads if off."""
     with open(path, "rb") as f:

@@ -258,6 +258,47 @@ def test_full_live_shards_are_kept_as_hard_links_not_copied(tmp_path: Path) -> N
     assert s.bytes_copied < m0.shards[-1].bytes + 4096  # only the last shard's records were copied
 
 
+def test_cold_copies_are_linked_with_kept_shards_and_made_for_new_ones_when_compress(tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    rng = np.random.default_rng(7)
+    with kvdata.open(ds, "w", shard_size=SHARD, compress=True) as s:
+        _put(s, rng, range(600))
+    with kvdata.open(ds, "a") as s:  # dead records in the first and the last shard only
+        s.delete(s.key_at(0))
+        s.put(s.key_at(len(s) - 1), b"new value")
+    m0 = read_manifest(ds)
+    zst_inodes = {e.sha256: (ds / names.SHARDS_DIR / e.zst.name).stat().st_ino for e in m0.shards if e.zst}
+    before = _snapshot(ds)
+    s = kvdata.compact(ds)
+    m1 = read_manifest(ds)
+    assert s.shards_kept == len(m0.shards) - 2 and all(e.zst is not None for e in m1.shards)
+    for e in m1.shards:
+        z = ds / names.SHARDS_DIR / e.zst.name
+        if e.sha256 in zst_inodes:  # kept: the same cold copy, linked
+            assert z.stat().st_ino == zst_inodes[e.sha256]
+        else:
+            assert z.stat().st_ino not in zst_inodes.values()
+    assert verify(ds, progress=False)["ok"] and _snapshot(ds) == before  # (verify checks every .zst's sha256)
+    assert set(os.listdir(ds / names.SHARDS_DIR)) == _named(ds)
+
+
+def test_a_dataset_whose_records_were_all_deleted_compacts_to_nothing(tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    with kvdata.open(ds, "a", shard_size=SHARD) as s:
+        _put(s, np.random.default_rng(8), range(300))
+        s.commit()
+        for k in list(s.keys()):
+            s.delete(k)
+        s.seal()
+    s = kvdata.compact(ds)
+    assert s.compacted and s.shards_after == 0 and s.bytes_after == 0 and s.bytes_reclaimed == s.bytes_before
+    assert os.listdir(ds / names.SHARDS_DIR) == [] and verify(ds, progress=False)["ok"]
+    with kvdata.open(ds, "a") as w:
+        w.put("again", b"1")
+    with kvdata.open(ds) as r:
+        assert len(r) == 1 and bytes(r["again"]) == b"1"
+
+
 def test_dry_run_changes_nothing_and_says_what_compaction_would_do(built: Any, tmp_path: Path, cli: Cli) -> None:
     ds, _snap = _copy(built, "overwrites", tmp_path / "ds")
     files = _files(ds)
@@ -413,6 +454,27 @@ def test_a_reader_in_this_process_refreshes_to_the_compacted_generation(built: A
         assert r.refresh() and _digests(r) == want and r.generation == kept.generation_after
         done = kvdata.compact(ds)  # the store moved on: nothing holds the old generation now
     assert done.bytes_reclaimed == kept.bytes_kept_for_readers and _snapshot(ds) == snap
+
+
+def test_a_reader_whose_tail_was_sealed_and_then_compacted_still_reads_it(tmp_path: Path) -> None:
+    """Its tail's records moved into a sealed shard (a commit), then into the compacted shards:
+    the sealed shard of its incarnation is kept for it and read by name."""
+    ds = tmp_path / "ds"
+    rng = np.random.default_rng(9)
+    with kvdata.open(ds, "a", shard_size=SHARD) as w:
+        _put(w, rng, range(200))
+        w.seal()
+        w.commit()
+        _put(w, rng, range(200, 230))  # in the tail
+    with kvdata.open(ds) as other:
+        want = _digests(other)
+    with kvdata.open(ds) as r:  # (it has not opened its tail yet)
+        assert r.manifest.tail.records == 30
+        with kvdata.open(ds, "a") as w:
+            w.put("k00003", b"overwritten")  # something to compact
+            w.seal()
+        assert kvdata.compact(ds).files_kept_for_readers
+        assert _digests(r) == want
 
 
 @pytest.mark.skipif(can_switch_users() is not None, reason=str(can_switch_users()))
@@ -610,9 +672,23 @@ def test_hostile_layouts_are_refused_in_one_line_and_nothing_changes(built: Any,
             f.write(bytes([b[0] ^ 0xFF]))
         return p
 
+    def next_registry(ds: Path) -> Path:  # the name compaction is about to give the new incarnation's registry
+        p = ds / names.reader_pin_name(read_manifest(ds).generation + 1)
+        p.symlink_to(outside / "precious")
+        return p
+
     for name, plant in [("shards-link", shards_dir_link), ("shard-link", shard_file_link), ("lock-link", lock_link),
-                        ("registry-link", registry_link), ("truncated", truncated), ("damaged", damaged_record)]:
+                        ("registry-link", registry_link), ("next-registry", next_registry), ("truncated", truncated),
+                        ("damaged", damaged_record)]:
         case(name, plant)
+
+    # a file planted under a shard name of the coming incarnation is moved aside by recovery, never removed
+    ds, snap = _copy(built, "overwrites", tmp_path / "planted")
+    planted = ds / names.SHARDS_DIR / names.shard_name(0, read_manifest(ds).generation + 1)
+    planted.symlink_to(outside / "precious")
+    assert kvdata.compact(ds).compacted and _snapshot(ds) == snap and verify(ds, progress=False)["ok"]
+    assert [p.name for p in (ds / "lost+found").rglob("*") if p.is_symlink()] == [f"shards-{planted.name}"]
+    assert sorted(os.listdir(outside)) == ["precious"] and (outside / "precious").read_text() == "do not touch"
 
 
 def test_a_second_writer_holding_the_lock_is_named_and_waited_for(built: Any, tmp_path: Path, cli: Cli) -> None:
