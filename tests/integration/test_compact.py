@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.cli import Cli
+from helpers.forked import run_forked
 from helpers.users import User, can_switch_users, make_user
 
 import kvdata
@@ -511,52 +512,18 @@ def _become(user: User) -> None:
 
 # ---------------------------------------------------------------- SIGKILL during a compaction
 
-KILLS = 14
-SPACED = 10  # kills spread evenly; the others land just after the commit
+KILLS = 12
+SPACED = 8  # kills spread evenly; the others land just after the commit
 
 
 def _fork_compact(ds: Path, delay: float | None, at_commit: bool = False) -> float | None:
-    """Compact in a forked child (the kill lands in the compaction itself, not in a start-up);
-    with `delay`, SIGKILL it that long after it starts (with `at_commit`, as soon as the new
-    manifest is seen, or after `delay` at the latest), else return how long it took."""
-    r, w = os.pipe()
+    """Compact in a forked child; with `delay`, SIGKILL it that long after it starts (with
+    `at_commit`, as soon as the new manifest is in place, `delay` at the latest), else return
+    how long it took."""
     manifest = ds / names.MANIFEST
     first = manifest.stat().st_ino
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.write(w, b"g")
-            t = time.perf_counter()
-            kvdata.compact(ds)
-            os.write(w, struct.pack("<d", time.perf_counter() - t))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    try:
-        assert os.read(r, 1) == b"g"
-        if delay is None:
-            took = struct.unpack("<d", os.read(r, 8))[0]
-            assert os.waitpid(pid, 0)[1] == 0
-            pid = 0
-            return float(took)
-        deadline = time.perf_counter() + delay
-        if at_commit:
-            while time.perf_counter() < deadline and manifest.stat().st_ino == first:
-                time.sleep(0.0002)
-        else:
-            time.sleep(delay)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pid = 0
-        return None
-    finally:
-        os.close(r)
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    return run_forked(lambda: kvdata.compact(ds), delay,
+                      until=(lambda: manifest.stat().st_ino != first) if at_commit else None)
 
 
 @pytest.mark.timeout(180)

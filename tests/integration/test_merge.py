@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import struct
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from helpers.cli import Cli
+from helpers.forked import run_forked
 
 import kvdata
 from kvdata.errors import (
@@ -353,39 +351,9 @@ KILLS = 10
 
 
 def _fork_merge(args: list[Path], dest: Path, delay: float | None) -> float | None:
-    """Merge in a forked child (no interpreter start: the kill lands in the merge itself); with
-    `delay`, SIGKILL it that long after it starts merging, else return how long the merge took."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: merge, report, and leave without running any of pytest's teardown
-        code = 1
-        try:
-            os.close(r)
-            os.write(w, b"g")
-            t = time.perf_counter()
-            merge(args, dest)
-            os.write(w, struct.pack("<d", time.perf_counter() - t))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    try:
-        assert os.read(r, 1) == b"g"
-        if delay is None:
-            took = struct.unpack("<d", os.read(r, 8))[0]
-            assert os.waitpid(pid, 0)[1] == 0
-            pid = 0
-            return float(took)
-        time.sleep(delay)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pid = 0
-        return None
-    finally:
-        os.close(r)
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    """Merge in a forked child; with `delay`, SIGKILL it that long after it starts merging,
+    else return how long the merge took."""
+    return run_forked(lambda: merge(args, dest), delay)
 
 
 @pytest.mark.timeout(120)
