@@ -44,7 +44,7 @@ def compact(dataset: str, dry_run: bool, as_json: bool) -> None:
     if s.files_kept_for_readers:
         click.echo(f"kept for readers: {len(s.files_kept_for_readers)} files ({format_size(s.bytes_kept_for_readers)}) "
                    "of a replaced generation that open readers use; the next compact or commit removes them once "
-                   "they close", err=True)
+                   "they close")
 
 
 COMMANDS: tuple[click.Command, ...] = (compact,)

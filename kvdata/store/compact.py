@@ -90,6 +90,18 @@ class CompactSummary:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def __getitem__(self, key: str) -> Any:
+        """`summary["bytes_reclaimed"]`, as `kvdata.merge`'s summary (a dict) is read."""
+        if key in self.__dataclass_fields__:
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
 
 def compact(path: str | os.PathLike[str], *, dry_run: bool = False, progress: bool | None = None) -> CompactSummary:
     """Compact the local dataset at `path` (see the module docstring) and return what was done.
@@ -106,7 +118,7 @@ def compact(path: str | os.PathLike[str], *, dry_run: bool = False, progress: bo
     lock = _lock(root)
     try:
         gen = _recovered(root)
-        swept = tidy(root, gen.manifest, LeftBehind(None, frozenset(), None))
+        swept = tidy(root, gen.manifest, LeftBehind(frozenset(), None))
         return _Job.running(root, load_generation(root), swept, progress, lambda job: job.run(False, lock, t0))
     finally:
         lock.release()

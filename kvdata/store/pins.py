@@ -2,8 +2,9 @@
 
 A reader of a generation maps its shard files lazily, by name, long after it read the
 manifest. Commits never remove a file a reader of the same incarnation may open (a sealed
-tail's records stay in its sealed shard), but compaction gives the dataset a new incarnation
-(new file names) and its old files must then go -- only once no reader uses them.
+tail's records stay in its sealed shard), but compaction (and a "w" rewrite) gives the dataset
+a new incarnation (new file names) and its old files must then go -- only once no reader uses
+them (store.retire).
 
 So every reader of a local dataset holds a shared flock on `readers-iIIIIIIII.lock` (the
 registry of its generation's incarnation, beside the manifest) from open until it closes or

@@ -2,10 +2,10 @@
 
 Recovery never deletes what it cannot account for. It removes only leftovers it can name the
 origin of -- temp files, tails already sealed into a committed shard, index files of older
-generations, lock files of LMDB files that are gone, the files of the incarnation a "w"
-rewrite replaced, files this writer itself made since its last commit, and what a compaction
-journal accounts for (store.retire: an uncommitted compaction's files; a committed one's old
-files once no reader pins them -- until then they stay where readers look for them) -- and
+generations, lock files of LMDB files that are gone, files this writer itself made since its
+last commit, and what a journal accounts for (store.retire: the files of an uncommitted
+compaction; those of the generation a compaction or a "w" rewrite replaced, once no reader
+pins them -- until then they stay where readers look for them) -- and
 moves every other file the manifest does not name into `lost+found/<time>-<pid>/`, with a warning.
 """
 
@@ -32,7 +32,6 @@ LOST_FOUND = "lost+found"  # where recovery moves files it cannot account for
 class LeftBehind:
     """What the writer running recovery knows it made or replaced."""
 
-    retired: Manifest | None         # the generation a "w" rewrite replaced: its files may go
     written: frozenset[str]          # shard-dir files this writer created since its last commit
     writing_generation: int | None   # index files of this generation are its failed commit's
 
@@ -42,11 +41,6 @@ def tidy(root: Path, m: Manifest, left: LeftBehind) -> Swept:
     but for files kept for readers; returns what the compaction journals settled."""
     swept = settle(root, m)
     shards_dir = root / names.SHARDS_DIR
-    retired = left.retired
-    retired_files: set[str] = set()
-    if retired is not None and retired.incarnation != m.incarnation:
-        retired_files = {s.name for s in retired.shards} | {s.zst.name for s in retired.shards if s.zst} \
-            | {retired.tail.name, names.lmdb_lock_name(retired.tail.name)}
     keep = {s.name for s in m.shards} | {s.zst.name for s in m.shards if s.zst} \
         | {m.tail.name, names.lmdb_lock_name(m.tail.name)} | set(swept.kept)
     aside: list[Path] = []
@@ -57,8 +51,8 @@ def tidy(root: Path, m: Manifest, left: LeftBehind) -> Swept:
             continue
         base = p.name[:-len("-lock")] if p.name.endswith("-lock") else p.name
         tail = names.parse_tail_name(base)
-        if p.name.endswith(".tmp") or p.name in retired_files or p.name in left.written:
-            unlink_quiet(p)  # a seal's temp file; a file of the generation "w" replaced; our own
+        if p.name.endswith(".tmp") or p.name in left.written:
+            unlink_quiet(p)  # a seal's temp file; our own
         elif p.name.endswith("-lock") and not os.path.lexists(shards_dir / base):
             unlink_quiet(p)  # an LMDB lock file (a reader table, no data) of a file that is gone
         elif tail is not None and tail[1] == m.incarnation and tail[0] < m.tail.id:

@@ -7,8 +7,10 @@ it creates any file of K it writes `compact-iKKKKKKKK.json` beside the manifest 
     {"format": "kvdata-compact", "to_incarnation": K, "from_generation": G,
      "from_incarnation": J, "files": ["000000.mdb", "000000.mdb.zst", "tail-000004.mdb", ...]}
 
-`files` are the shard-directory files of generation G (incarnation J) that K replaces. The
-journal is what lets recovery account for every file a compaction leaves, wherever it was killed:
+`files` are the shard-directory files of generation G (incarnation J) that K replaces. A writer
+opened with mode "w" on an existing dataset starts a new incarnation too and writes the same
+journal before its empty manifest, so its old files follow the same rule. The journal is what
+lets recovery account for every file a compaction leaves, wherever it was killed:
 
 - the manifest is still generation G (incarnation J): the compaction never committed. Every
   file of incarnation K in shards/, the index files of generation K and K's reader registry

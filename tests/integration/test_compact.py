@@ -478,6 +478,26 @@ def test_a_reader_whose_tail_was_sealed_and_then_compacted_still_reads_it(tmp_pa
         assert _digests(r) == want
 
 
+def test_a_rewrite_with_mode_w_also_keeps_the_old_files_for_their_readers(built: Any, tmp_path: Path,
+                                                                          readers: list[ReaderProc]) -> None:
+    ds, _snap = _copy(built, "small_shards", tmp_path / "ds")
+    with kvdata.open(ds) as s:
+        want = _digests(s)
+    old = {e.name for e in read_manifest(ds).shards}
+    r = ReaderProc(ds)
+    readers.append(r)
+    with kvdata.open(ds, "w") as w:  # written again from empty: every name new
+        w.put("only", b"new dataset")
+    assert r.read() == want and all((ds / names.SHARDS_DIR / n).exists() for n in old)
+    r.stop()
+    with kvdata.open(ds, "a") as w:  # the next writer finds no reader: the old files go
+        w.put("more", b"x")
+    assert not any((ds / names.SHARDS_DIR / n).exists() for n in old)
+    assert set(os.listdir(ds / names.SHARDS_DIR)) == _named(ds) and not list(ds.glob("compact-i*.json"))
+    with kvdata.open(ds) as s:
+        assert list(s.keys()) == ["only", "more"]
+
+
 @pytest.mark.skipif(can_switch_users() is not None, reason=str(can_switch_users()))
 def test_another_uid_reads_pinned_and_cannot_compact(built: Any, readers: list[ReaderProc]) -> None:
     """A reader that may not write the dataset still pins the generation compaction made (its
