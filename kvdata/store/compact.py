@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import format as fmt
 from .._util.checksum import crc32
-from .._util.fsutil import atomic_write, fsync_dir
+from .._util.fsutil import atomic_write, fsync_dir, tree_bytes, unlink_quiet
 from .._util.progress import progress as make_progress
 from ..errors import CorruptDatasetError, KVDataError, MissingShardError, ReadOnlyError
 from ..format import IndexFiles, Manifest, ShardEntry, TailEntry, ZstCopy, names
@@ -64,8 +64,8 @@ PAGE = 4096
 
 @dataclass(frozen=True)
 class CompactSummary:
-    """What `compact` did (or, with dry_run, would do). Sizes are bytes of shard files (sealed
-    shards, cold copies and the tail's data file; LMDB lock files are not counted)."""
+    """What `compact` did (or, with dry_run, would do). bytes_before/after are what the whole
+    dataset directory takes on disk (each file once; a dry run's bytes_after is an estimate)."""
 
     dataset: str
     dry_run: bool
@@ -79,10 +79,10 @@ class CompactSummary:
     shards_written: int           # new shard files
     records_rewritten: int        # live records copied (the tail's included)
     records_dropped: int          # overwritten, deleted and tombstone records left behind
-    bytes_before: int
-    bytes_after: int              # dry run: an estimate
+    bytes_before: int             # the dataset's files on disk, before
+    bytes_after: int              # ... and after (a dry run: an estimate)
     bytes_copied: int             # record bytes copied into new shards
-    bytes_reclaimed: int          # how much less the dataset's files take on disk now (dry run: would)
+    bytes_reclaimed: int          # before - after, never negative (0 while readers keep the old files)
     bytes_kept_for_readers: int   # old files readers still use: reclaimed once they close
     files_kept_for_readers: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -114,14 +114,22 @@ def compact(path: str | os.PathLike[str], *, dry_run: bool = False, progress: bo
     read_manifest(root)  # not a dataset: a clear error before anything else
     _check_layout(root, writing=not dry_run)
     if dry_run:  # reads only: no lock, no recovery
-        return _Job.running(root, _recovered(root), Swept(), progress, lambda job: job.run(True, None, t0))
+        before = disk_bytes(root)
+        return _Job.running(root, _recovered(root), Swept(), progress, lambda job: job.run(None, t0, before))
     lock = _lock(root)
     try:
         gen = _recovered(root)
+        before = disk_bytes(root)  # before recovery: what it removes (a replaced generation's files) counts
         swept = tidy(root, gen.manifest, LeftBehind(frozenset(), None))
-        return _Job.running(root, load_generation(root), swept, progress, lambda job: job.run(False, lock, t0))
+        return _Job.running(root, load_generation(root), swept, progress, lambda job: job.run(lock, t0, before))
     finally:
         lock.release()
+
+
+def disk_bytes(root: Path) -> int:
+    """What the dataset takes on disk: its files' bytes, each file once (hard links), the
+    writer lock's owner record left out."""
+    return tree_bytes(root, skip=frozenset({names.LOCK}))
 
 
 # ---------------------------------------------------------------- checks (nothing written yet)
@@ -235,20 +243,12 @@ class _Job:
                     np.array([s.bytes for s in self.m.shards], dtype=np.int64), lengths, self.m.tail.records,
                     self.m.shard_size)
 
-    def bytes_before(self) -> int:
-        m = self.m
-        total = sum(s.bytes + (s.zst.bytes if s.zst else 0) for s in m.shards)
-        try:
-            total += os.lstat(self.gen.tail_path).st_size
-        except FileNotFoundError:
-            pass
-        return total
-
     # ------------------------------------------------------------ running
 
-    def run(self, dry_run: bool, lock: WriterLock | None, t0: float) -> CompactSummary:
+    def run(self, lock: WriterLock | None, t0: float, before: int) -> CompactSummary:
+        """Compact (or with no lock, a dry run: only say what would be done)."""
         p, m = self.plan, self.m
-        before = self.bytes_before()
+        dry_run = lock is None
         kept = sum(1 for piece in p.pieces if piece.kept >= 0) if p.needed else len(m.shards)
         new = p.new_pieces if p.needed else []
         base = dict(dataset=str(self.root), dry_run=dry_run, generation_before=m.generation,
@@ -256,53 +256,66 @@ class _Job:
                     shards_rewritten=len(p.rewritten) if p.needed else 0, shards_written=len(new),
                     records_rewritten=p.records_copied if p.needed else 0,
                     records_dropped=p.records_dropped if p.needed else 0, bytes_before=before)
-        if not p.needed or dry_run:
-            after = before if not p.needed else self._estimate_after()
+        swept = self.swept
+        if lock is None or not p.needed:
+            after = before - self._estimate_reclaimed() if p.needed else disk_bytes(self.root)
             return CompactSummary(**base, compacted=False, generation_after=m.generation,  # type: ignore[arg-type]
                                   shards_after=len(p.pieces) if p.needed else len(m.shards), bytes_after=after,
                                   bytes_copied=sum(piece.bytes_estimate for piece in new) if dry_run else 0,
-                                  bytes_reclaimed=(before - after) if p.needed else self.swept.bytes_freed,
-                                  bytes_kept_for_readers=self.swept.kept_bytes,
-                                  files_kept_for_readers=sorted(self.swept.kept),
-                                  seconds=round(time.monotonic() - t0, 3))
-        assert lock is not None  # (only a dry run has none)
-        new_m, copied, written = self._commit(lock)
+                                  bytes_reclaimed=max(0, before - after), bytes_kept_for_readers=swept.kept_bytes,
+                                  files_kept_for_readers=sorted(swept.kept), seconds=round(time.monotonic() - t0, 3))
+        new_m, copied = self._commit(lock)
         done = retire(self.root, new_m, self._journal())
-        after = sum(s.bytes + (s.zst.bytes if s.zst else 0) for s in new_m.shards)
-        freed = self.swept.bytes_freed + done.bytes_freed
+        self._remove_old_index(new_m)
+        after = disk_bytes(self.root)
         return CompactSummary(**base, compacted=True, generation_after=new_m.generation,  # type: ignore[arg-type]
                               shards_after=len(new_m.shards), bytes_after=after, bytes_copied=copied,
-                              bytes_reclaimed=max(0, freed - written),
-                              bytes_kept_for_readers=self.swept.kept_bytes + done.kept_bytes,
-                              files_kept_for_readers=sorted(self.swept.kept + done.kept),
+                              bytes_reclaimed=max(0, before - after),
+                              bytes_kept_for_readers=swept.kept_bytes + done.kept_bytes,
+                              files_kept_for_readers=sorted(swept.kept + done.kept),
                               seconds=round(time.monotonic() - t0, 3))
 
-    def _estimate_after(self) -> int:
-        """The new generation's bytes, estimated: kept shards as they are, new ones as their
-        records plus LMDB's overhead, in whole pages."""
-        total = 0
-        for piece in self.plan.pieces:
-            if piece.kept >= 0:
-                e = self.m.shards[piece.kept]
-                total += e.bytes + (e.zst.bytes if e.zst else 0)
-            else:
-                total += (piece.bytes_estimate + PAGE - 1) // PAGE * PAGE + 2 * PAGE
-        return total
+    def _estimate_reclaimed(self) -> int:
+        """What a compaction would free (a dry run): the old files of the shards it rewrites and
+        of the tail, less the new shards (their records plus LMDB's overhead, in whole pages;
+        cold copies at the old ones' ratio)."""
+        m, shards_dir = self.m, self.gen.shards_dir
+        old = [m.shards[i] for i in self.plan.rewritten.tolist()]
+        raw = sum(e.bytes for e in old)
+        zst = sum(e.zst.bytes for e in old if e.zst)
+        freed = raw + zst
+        for name in (m.tail.name, names.lmdb_lock_name(m.tail.name)):
+            try:
+                freed += os.lstat(shards_dir / name).st_size
+            except FileNotFoundError:
+                pass
+        new = sum((piece.bytes_estimate + PAGE - 1) // PAGE * PAGE + 2 * PAGE for piece in self.plan.new_pieces)
+        if m.compress:
+            new += int(new * zst / raw) if raw and zst else new
+        return freed - new
+
+    def _remove_old_index(self, new_m: Manifest) -> None:
+        """The old generation's samples and records files (readers map an index when they load
+        it, so none is disturbed), as a writer's commit removes its stale ones."""
+        mine = {n for _kind, n, _b in new_m.index_files()}
+        for _kind, name, _b in self.m.index_files():
+            if name not in mine:
+                unlink_quiet(self.root / names.INDEX_DIR / name)
 
     def _journal(self) -> Journal:
         m = self.m
         return Journal(m.generation + 1, m.generation, m.incarnation, old_files(m))
 
-    def _commit(self, lock: WriterLock) -> tuple[Manifest, int, int]:
+    def _commit(self, lock: WriterLock) -> tuple[Manifest, int]:
         """Write incarnation K and commit it; undo everything on any failure before the commit.
-        Returns (new manifest, record bytes copied, bytes of new files written)."""
+        Returns (new manifest, record bytes copied)."""
         journal = self._journal()
         k = journal.to_incarnation
         self._refuse_strangers(k)
         write_journal(self.root, journal)
         try:
             create_registry(self.root, k)
-            entries, records, copied, written = self._write_shards(k)
+            entries, records, copied = self._write_shards(k)
             new_m = self._write_index(k, entries, records)
             on_disk = read_manifest(self.root).generation
             if not lock.still_ours() or on_disk != self.m.generation:
@@ -315,7 +328,7 @@ class _Job:
             if _incarnation_now(self.root) != k:
                 rollback(self.root, journal)
             raise
-        return new_m, copied, written
+        return new_m, copied
 
     def _refuse_strangers(self, k: int) -> None:
         """Nothing may hold a name of incarnation K yet (recovery moved any such file aside): a
@@ -328,14 +341,14 @@ class _Job:
                 raise CorruptDatasetError(f"{p} exists and kvdata did not make it (compaction is about to use that "
                                           "name); move it away, then compact again; nothing was changed")
 
-    def _write_shards(self, k: int) -> tuple[list[ShardEntry], list[np.ndarray], int, int]:
+    def _write_shards(self, k: int) -> tuple[list[ShardEntry], list[np.ndarray], int]:
         shards_dir = self.gen.shards_dir
         idx = self.gen.index
         entries: list[ShardEntry | None] = []
         records: list[np.ndarray] = []
         hashing: dict[int, Future[tuple[int, str]]] = {}
         built: dict[int, tuple[Path, np.ndarray, int]] = {}
-        copied = written = 0
+        copied = 0
         bar = make_progress(sum(p.bytes_estimate for p in self.plan.new_pieces) or None, "compact", self.progress)
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdata-compact-sha256")
         try:
@@ -348,7 +361,6 @@ class _Job:
                     continue
                 rows, size, n = self._build(dest, piece, bar)
                 copied += n
-                written += size
                 built[new_id] = (dest, rows, size)
                 hashing[new_id] = hasher.submit(file_sha256, dest)
                 entries.append(None)
@@ -359,14 +371,12 @@ class _Job:
                     raise CorruptDatasetError(f"{dest} changed size while it was compacted ({size} -> {got_size} "
                                               "bytes); nothing was committed")
                 zst = write_cold_copy(dest, dest, rows) if self.m.compress else None
-                if zst is not None:
-                    written += zst.bytes
                 entries[new_id] = ShardEntry(new_id, dest.name, len(rows), size, sha, zst)
         finally:
             hasher.shutdown(wait=True)
             bar.close()
         fsync_dir(shards_dir)
-        return [e for e in entries if e is not None], records, copied, written
+        return [e for e in entries if e is not None], records, copied
 
     def _link(self, e: ShardEntry, dest: Path, new_id: int) -> ShardEntry:
         """A kept shard (and its cold copy) under its name in the new incarnation."""

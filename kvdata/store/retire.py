@@ -99,9 +99,8 @@ def _parse(path: Path) -> Journal | None:
 
 @dataclass
 class Swept:
-    """What a sweep did: bytes freed, files removed, and files kept because a reader may use them."""
+    """What a sweep did: files removed, and files kept because a reader may use them."""
 
-    bytes_freed: int = 0
     removed: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)         # shard-directory names
     kept_bytes: int = 0
@@ -110,23 +109,19 @@ class Swept:
 
 
 def _remove(path: Path, done: Swept) -> None:
-    """Unlink one file of a replaced generation; count its bytes if that was its last name."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and not path.name.endswith("-lock"):
-        done.bytes_freed += st.st_size
-    unlink_quiet(path)
-    done.removed.append(path.name)
+    """Unlink one file of a replaced generation."""
+    if os.path.lexists(path):
+        unlink_quiet(path)
+        done.removed.append(path.name)
 
 
 def _unique_bytes(path: Path) -> int:
+    """The bytes removing this name would free (none if another name keeps the file)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and not path.name.endswith("-lock") else 0
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
 
 
 def rollback(root: Path, j: Journal, done: Swept | None = None) -> Swept:

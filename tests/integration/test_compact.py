@@ -145,11 +145,11 @@ def _digests(store: kvdata.Store) -> list[tuple[str, str]]:
 
 
 def _disk(path: Path) -> int:
-    """Bytes the dataset's shard files take (each file once, lock files left out)."""
+    """Bytes the dataset's files take (each file once; the writer lock's owner record left out)."""
     seen: dict[tuple[int, int], int] = {}
-    for p in (path / names.SHARDS_DIR).iterdir():
+    for p in path.rglob("*"):
         st = p.lstat()
-        if not p.name.endswith("-lock"):
+        if p.is_file() and not p.is_symlink() and p != path / names.LOCK:
             seen[(st.st_dev, st.st_ino)] = st.st_size
     return sum(seen.values())
 
@@ -292,7 +292,7 @@ def test_a_dataset_whose_records_were_all_deleted_compacts_to_nothing(tmp_path: 
             s.delete(k)
         s.seal()
     s = kvdata.compact(ds)
-    assert s.compacted and s.shards_after == 0 and s.bytes_after == 0 and s.bytes_reclaimed == s.bytes_before
+    assert s.compacted and s.shards_after == 0 and s.bytes_reclaimed == s.bytes_before - s.bytes_after > 0
     assert os.listdir(ds / names.SHARDS_DIR) == [] and verify(ds, progress=False)["ok"]
     with kvdata.open(ds, "a") as w:
         w.put("again", b"1")
@@ -442,7 +442,8 @@ def test_a_forked_worker_inherits_the_pin_of_its_parents_store(built: Any, tmp_p
     worker.stop()
     second = kvdata.compact(ds)
     assert not second.compacted and sorted(second.files_kept_for_readers) == []
-    assert second.bytes_reclaimed == first.bytes_kept_for_readers > 0
+    assert first.bytes_kept_for_readers > 0  # (and the journal that listed them goes too)
+    assert 0 <= second.bytes_reclaimed - first.bytes_kept_for_readers < 4096
     assert set(os.listdir(ds / names.SHARDS_DIR)) == _named(ds)
 
 
@@ -454,7 +455,7 @@ def test_a_reader_in_this_process_refreshes_to_the_compacted_generation(built: A
         assert kept.files_kept_for_readers and _digests(r) == want  # still its own generation
         assert r.refresh() and _digests(r) == want and r.generation == kept.generation_after
         done = kvdata.compact(ds)  # the store moved on: nothing holds the old generation now
-    assert done.bytes_reclaimed == kept.bytes_kept_for_readers and _snapshot(ds) == snap
+    assert 0 <= done.bytes_reclaimed - kept.bytes_kept_for_readers < 4096 and _snapshot(ds) == snap
 
 
 def test_a_reader_whose_tail_was_sealed_and_then_compacted_still_reads_it(tmp_path: Path) -> None:
