@@ -28,10 +28,12 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` by `data` so a crash leaves the old or the new content, never a mix."""
+    """Replace `path` by `data` so a crash leaves the old or the new content, never a mix. The
+    temp file is never written through a symbolic link planted at its name (ELOOP)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
