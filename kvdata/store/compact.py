@@ -45,6 +45,7 @@ from .._util.progress import progress as make_progress
 from ..errors import CorruptDatasetError, KVDataError, MissingShardError, ReadOnlyError
 from ..format import IndexFiles, Manifest, ShardEntry, TailEntry, ZstCopy, names
 from ..format.codec import file_sha256
+from ..format.manifest import ItemAccess
 from . import index as ix
 from .compact_plan import Piece, Plan, plan
 from .generation import Generation, load_generation, read_manifest
@@ -63,7 +64,7 @@ PAGE = 4096
 
 
 @dataclass(frozen=True)
-class CompactSummary:
+class CompactSummary(ItemAccess):
     """What `compact` did (or, with dry_run, would do). bytes_before/after are what the whole
     dataset directory takes on disk (each file once; a dry run's bytes_after is an estimate)."""
 
@@ -89,18 +90,6 @@ class CompactSummary:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-    def __getitem__(self, key: str) -> Any:
-        """`summary["bytes_reclaimed"]`, as `kvdata.merge`'s summary (a dict) is read."""
-        if key in self.__dataclass_fields__:
-            return getattr(self, key)
-        raise KeyError(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            return default
 
 
 def compact(path: str | os.PathLike[str], *, dry_run: bool = False, progress: bool | None = None) -> CompactSummary:

@@ -202,6 +202,7 @@ def test_every_record_reads_the_same_and_the_space_is_reclaimed(built: Any, tmp_
     assert s.files_kept_for_readers == [] and s.bytes_kept_for_readers == 0
     assert s.bytes_before == disk0 and s.bytes_after == _disk(ds)
     assert s.bytes_reclaimed == disk0 - _disk(ds) > 0
+    assert s["bytes_reclaimed"] == s.bytes_reclaimed and s.to_json()["shards_after"] == s.shards_after
     assert set(os.listdir(ds / names.SHARDS_DIR)) == _named(ds)
     assert sorted(os.listdir(ds)) == sorted([names.LOCK, names.MANIFEST, names.SHARDS_DIR, names.INDEX_DIR,
                                              names.reader_pin_name(m1.incarnation)])
