@@ -197,6 +197,7 @@ BENCHES: list[Bench] = [
     Bench("write", "write.py", ["--quick"], []),
     Bench("loader", "loader.py", ["--quick"], [], requires=_torch, notes=loader_notes, plot="loader"),
     Bench("crash_kill", "crash_kill.py", ["--quick"], []),
+    Bench("compact", "compact.py", ["--quick"], []),
     Bench("reader_opens", "reader_opens.py", ["--quick"], []),
     Bench("staging_local", "staging.py", ["local", "--quick"], ["local"], plot="staging_local"),
     Bench("staging_policy", "staging.py", ["policy", "--quick"], ["policy"], plot="staging_policy"),

@@ -12,9 +12,11 @@ from typing import Any
 from .errors import KVDataError
 from .reader.open import open_dataset as open
 from .store import Store
+from .store.compact import CompactSummary, compact
 from .tiers.home_merge import merge
 
-__all__ = ["open", "Store", "KVDataError", "merge", "Dataset", "ShardShuffleSampler", "collate", "BatchReader", "Loader",
+__all__ = ["open", "Store", "KVDataError", "merge", "compact", "CompactSummary", "Dataset", "ShardShuffleSampler",
+           "collate", "BatchReader", "Loader",
            "Ragged", "from_iterable", "from_arrays", "__version__"]
 __version__ = "0.1.0"
 

@@ -36,10 +36,12 @@ def temp_beside(path: Path) -> Path:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` by `data` so a crash leaves the old or the new content, never a mix."""
+    """Replace `path` by `data` so a crash leaves the old or the new content, never a mix. The
+    temp file is never written through a symbolic link planted at its name (ELOOP)."""
     tmp = temp_beside(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -111,3 +113,28 @@ def create_exclusive(candidates: Iterable[Path], what: str) -> tuple[int, Path]:
         except FileExistsError:
             continue
     raise KVDataError(f"cannot create a temp file beside {what}: every name tried exists")
+
+
+def tree_bytes(root: str | os.PathLike[str], skip: frozenset[str] = frozenset()) -> int:
+    """Bytes of the regular files under `root` (apparent sizes, each file once however many
+    names it has; links are not followed; top-level names in `skip` left out)."""
+    seen: dict[tuple[int, int], int] = {}
+    stack = [(os.fspath(root), True)]
+    while stack:
+        path, top = stack.pop()
+        try:
+            entries = list(os.scandir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            if top and e.name in skip:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                stack.append((e.path, False))
+            elif stat.S_ISREG(st.st_mode):
+                seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())

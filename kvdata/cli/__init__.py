@@ -4,7 +4,7 @@ This module holds the `main` group and its error handling: every error kvdata
 raises on purpose becomes one `kvdata: error: ...` line on stderr and a non-zero
 exit code, never a traceback. The commands live in one module per group:
 data.py (put/get/rm/ls/info/verify/reindex/seal), cache.py (stage/evict/status/
-cache ls/push), imports.py (import folder|listfile|caffe, demo) and merge.py; output.py
+cache ls/push), imports.py (import folder|listfile|caffe, demo), merge.py and compact.py; output.py
 prints for all of them. `--json` output is stable (documented in docs/CLI.md).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from ..errors import KVDataError
-from . import cache, data, doctor, imports, imports_arrow, imports_formats, merge  # noqa: F401 (imports_arrow, imports_formats: more `import` kinds)
+from . import cache, compact, data, doctor, imports, imports_arrow, imports_formats, merge  # noqa: F401 (imports_arrow, imports_formats: more `import` kinds)
 from .output import error, fail
 
 __all__ = ["main"]
@@ -65,5 +65,5 @@ def main() -> None:
     """kvdata: datasets as uncompressed LMDB shards with an O(1) memmap index."""
 
 
-for _command in (*data.COMMANDS, *cache.COMMANDS, *imports.COMMANDS, *merge.COMMANDS, *doctor.COMMANDS):
+for _command in (*data.COMMANDS, *cache.COMMANDS, *imports.COMMANDS, *merge.COMMANDS, *compact.COMMANDS, *doctor.COMMANDS):
     main.add_command(_command)

@@ -31,8 +31,9 @@ _KNOWN = {"format", "version", "generation", "shard_size", "compress", "count", 
           "fields", "classes", "index_sha256", "incarnation"}
 
 
-class _ItemAccess:
-    """`obj["field"]` and `obj.get("field")` for code written against the dict manifest."""
+class ItemAccess:
+    """`obj["field"]` and `obj.get("field")` on a dataclass: for code written against the dict
+    manifest, and summaries read like the dicts other commands return (kvdata.compact)."""
 
     def __getitem__(self, key: str) -> Any:
         if key in {f.name for f in dataclasses.fields(self)}:  # type: ignore[arg-type]
@@ -47,7 +48,7 @@ class _ItemAccess:
 
 
 @dataclass(frozen=True)
-class ZstCopy(_ItemAccess):
+class ZstCopy(ItemAccess):
     """The zstd-compressed cold copy of a sealed shard (as pushed to a home). With a seek
     table (kvdata.format.frames: its size and sha256, at the end of the file), samples can be
     read from it record by record; without one it is staged whole."""
@@ -60,7 +61,7 @@ class ZstCopy(_ItemAccess):
 
 
 @dataclass(frozen=True)
-class ShardEntry(_ItemAccess):
+class ShardEntry(ItemAccess):
     """One sealed, immutable shard: what a reader maps and a tier stages."""
 
     id: int
@@ -72,7 +73,7 @@ class ShardEntry(_ItemAccess):
 
 
 @dataclass(frozen=True)
-class TailEntry(_ItemAccess):
+class TailEntry(ItemAccess):
     """The open shard that takes appends; `records` of its slots are committed."""
 
     id: int
@@ -81,13 +82,13 @@ class TailEntry(_ItemAccess):
 
 
 @dataclass(frozen=True)
-class KeyRunEntry(_ItemAccess):
+class KeyRunEntry(ItemAccess):
     name: str
     count: int
 
 
 @dataclass(frozen=True)
-class IndexFiles(_ItemAccess):
+class IndexFiles(ItemAccess):
     """The side-index files of one generation (names under index/)."""
 
     samples: str | None = None
@@ -97,7 +98,7 @@ class IndexFiles(_ItemAccess):
 
 
 @dataclass(frozen=True)
-class Manifest(_ItemAccess):
+class Manifest(ItemAccess):
     """One committed generation of a dataset."""
 
     generation: int

@@ -18,6 +18,11 @@ shard and tail files of incarnation I > 0 carry it: ``NNNNNN-iIIIIIIII.mdb``,
 generations only grow. So a reader still on an old generation can only ever open
 old bytes, or find them gone.
 
+Beside the manifest, two kinds of files serve compaction (kvdata.store.compact):
+``readers-iIIIIIIII.lock`` is the reader registry of incarnation I (readers hold a shared
+flock on it while they may open its files), and ``compact-iKKKKKKKK.json`` is the journal
+of a compaction to incarnation K (what it replaces, so recovery can finish or undo it).
+
 A tier directory holds staged copies named by content: ``<sha256>.mdb``.
 """
 
@@ -38,6 +43,8 @@ _TAIL = re.compile(r"tail-([0-9]{6,9})(?:-i([0-9]{8,10}))?\.mdb")
 _ZST = re.compile(r"([0-9]{6,9})(?:-i([0-9]{8,10}))?\.mdb\.zst")
 _INDEX = re.compile(r"(samples|records|keys)-([0-9]{8,10})(?:-([0-9]{2,3}))?\.bin")
 _STAGED = re.compile(r"([0-9a-f]{64})\.mdb")
+_PIN = re.compile(r"readers-i([0-9]{8,10})\.lock")
+_JOURNAL = re.compile(r"compact-i([0-9]{8,10})\.json")
 
 
 def _inc(incarnation: int) -> str:
@@ -74,6 +81,16 @@ def records_name(generation: int) -> str:
 
 def keys_name(generation: int, run: int) -> str:
     return f"keys-{generation:08d}-{run:02d}.bin"
+
+
+def reader_pin_name(incarnation: int) -> str:
+    """The reader registry of an incarnation: readers hold a shared flock on it (store.pins)."""
+    return f"readers-i{incarnation:08d}.lock"
+
+
+def compact_journal_name(incarnation: int) -> str:
+    """The journal of a compaction that makes incarnation `incarnation` (store.retire)."""
+    return f"compact-i{incarnation:08d}.json"
 
 
 def staged_name(sha256: str) -> str:
@@ -119,7 +136,40 @@ def is_index_name(name: object, kind: str | None = None) -> bool:
     return kind is None or m.group(1) == kind
 
 
+def index_generation(name: object) -> int | None:
+    """The generation in an index file's name, or None if `name` is not an index file name."""
+    if not is_index_name(name):
+        return None
+    m = _INDEX.fullmatch(str(name))
+    return int(m.group(2)) if m else None
+
+
 def parse_staged_name(name: object) -> str | None:
     """The sha256 a tier file is named by, or None if it is not a staged copy."""
     m = _STAGED.fullmatch(name) if isinstance(name, str) else None
     return m.group(1) if m else None
+
+
+def parse_reader_pin_name(name: object) -> int | None:
+    """The incarnation of a reader registry file name, or None."""
+    m = _PIN.fullmatch(name) if isinstance(name, str) else None
+    return int(m.group(1)) if m else None
+
+
+def parse_compact_journal_name(name: object) -> int | None:
+    """The incarnation a compaction journal's name says it makes, or None."""
+    m = _JOURNAL.fullmatch(name) if isinstance(name, str) else None
+    return int(m.group(1)) if m else None
+
+
+def incarnation_of(name: object) -> int | None:
+    """The incarnation of a file of shards/ -- a sealed shard, its cold copy, a tail, or the
+    LMDB lock file of one of those -- or None if `name` is none of them."""
+    if not isinstance(name, str):
+        return None
+    base = name[:-len("-lock")] if name.endswith("-lock") else name
+    for rx in (_SHARD, _TAIL, _ZST):
+        m = rx.fullmatch(base)
+        if m:
+            return int(m.group(2) or 0)
+    return None

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClosedError, ReadOnlyError
-from ..format import Manifest
+from ..format import Manifest, names
 from . import inspection
-from .generation import Generation, load_generation, read_manifest
+from .generation import Generation, load_generation, load_pinned, read_manifest
+from .pins import ReaderPin
 from .reader import Reader
 from .source import ShardSource
 from .stacking import Alloc
@@ -43,12 +44,13 @@ class Store:
         self._closers: list[Callable[[], None]] = []
         self._source = source
         self._writer: Writer | None = None
+        self._pin: ReaderPin | None = None  # mode "r": keeps the files of our incarnation (store.pins)
 
         def make_reader(gen: Generation) -> Reader:
             return Reader(gen, source=source, copy_threads=copy_threads, readahead=readahead)
 
         if mode == "r":
-            self._reader = make_reader(load_generation(self.root))
+            self._reader = make_reader(self._load())
         else:
             self._writer = Writer(self.root, shard_size=shard_size, compress=compress, reset=(mode == "w"),
                                   make_reader=make_reader)
@@ -68,8 +70,20 @@ class Store:
         self._check_open()
         gen = self.generation
         if read_manifest(self.root).generation != gen:
-            self._reader.load(load_generation(self.root))
+            old = self._pin
+            self._reader.load(self._load())
+            if old is not None and old is not self._pin:
+                old.close()  # after the reader let go of the old generation's files
         return self.generation != gen
+
+    def _load(self) -> Generation:
+        """The current generation, pinned (store.pins) where this process can pin it: a
+        writer's lock already keeps compaction out, and an index mirror of a remote dataset
+        (its source file beside the manifest) is never compacted in place."""
+        if self._writer is not None or (self.root / names.SOURCE).exists():
+            return load_generation(self.root)
+        gen, self._pin = load_pinned(self.root, self._pin)
+        return gen
 
     def close(self) -> None:
         """Commit pending writes (mode a/w) and release files. Idempotent."""
@@ -81,6 +95,9 @@ class Store:
         finally:
             self._closed = True
             self._reader.close()
+            if self._pin is not None:
+                self._pin.close()
+                self._pin = None
             closers, self._closers = self._closers, []
             for fn in closers:
                 fn()

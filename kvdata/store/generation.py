@@ -8,6 +8,7 @@ Generation stays valid while newer ones are committed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from .._util.fsutil import read_regular
 from ..errors import CorruptDatasetError, NotADatasetError
 from ..format import Manifest, ShardEntry, names, parse_manifest
 from .index import Index
+from .pins import ReaderPin, pin
 
 MAX_MANIFEST = 1 << 30
 LOAD_ATTEMPTS = 5  # a commit may replace the manifest between reading it and mapping its index
@@ -79,3 +81,36 @@ def load_generation(root: Path) -> Generation:
                 continue
             raise CorruptDatasetError(f"index file {e.filename} is missing; run `kvdata reindex {root}`") from None
     raise CorruptDatasetError(f"{root}: the manifest keeps changing while it is read; try again")
+
+
+def _manifest_id(root: Path) -> tuple[int, ...] | None:
+    """Which manifest file is in place (it is replaced by rename, never written in place)."""
+    try:
+        st = os.stat(root / names.MANIFEST)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def load_pinned(root: Path, held: ReaderPin | None = None) -> tuple[Generation, ReaderPin | None]:
+    """The current generation and a pin on its incarnation's files (store.pins), or no pin
+    where this reader cannot take one. `held`: the caller's pin, kept if the incarnation did
+    not change (the caller closes it otherwise, once it stops reading the old generation).
+
+    The pin is checked against the manifest after it is taken: a compaction that committed
+    in between may already have removed the files of the generation just loaded, so then the
+    newer generation is loaded instead."""
+    for _attempt in range(LOAD_ATTEMPTS):
+        before = _manifest_id(root)
+        gen = load_generation(root)
+        inc = gen.manifest.incarnation
+        if held is not None and held.held and held.incarnation == inc:
+            return gen, held  # the caller's pin was checked when it was taken; files of inc stay
+        got = pin(root, inc)
+        if before is not None and _manifest_id(root) == before:
+            return gen, got
+        if read_manifest(root).incarnation == inc:
+            return gen, got
+        if got is not None:
+            got.close()
+    return load_generation(root), None  # still racing compactions: read unpinned

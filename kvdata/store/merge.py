@@ -24,7 +24,6 @@ dataset is committed (files the part's manifest does not name, e.g. lost+found/,
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import stat
@@ -40,13 +39,13 @@ from .._util.progress import progress as make_progress
 from ..errors import CorruptDatasetError, KVDataError, MissingShardError, NotADatasetError
 from ..format import Manifest, names
 from .generation import Generation, load_generation
+from .linking import link_or_copy
 from .lock import WriterLock
 from .merge_plan import MergePlan, PartIndex, merged_shards, plan_merge, write_merged_index
 from .reader import Reader
-from .shards import ENVS, NO_LINK_ERRNOS, open_sealed_lmdb
+from .shards import ENVS, open_sealed_lmdb
 
 STAGING = ".kvdata-merge.tmp"  # the merge's own staging directory under the destination
-COPY_CHUNK = 8 << 20
 
 __all__ = ["merge", "STAGING"]
 
@@ -334,9 +333,9 @@ def _place_shards(parts: list[_Part], plan: MergePlan, shards_dir: Path, progres
     try:
         for i, e, new in placed:
             src = parts[i].gen.shards_dir
-            how = _place(src / e.name, shards_dir / new.name, e.bytes, e.sha256)
+            how = link_or_copy(src / e.name, shards_dir / new.name, e.bytes, e.sha256, "merged")
             if e.zst is not None and new.zst is not None:
-                _place(src / e.zst.name, shards_dir / new.zst.name, e.zst.bytes, e.zst.sha256)
+                link_or_copy(src / e.zst.name, shards_dir / new.zst.name, e.zst.bytes, e.zst.sha256, "merged")
             if how == "link":
                 linked += e.bytes
             else:
@@ -348,43 +347,6 @@ def _place_shards(parts: list[_Part], plan: MergePlan, shards_dir: Path, progres
     return linked, copied
 
 
-def _place(src: Path, dst: Path, size: int, sha256: str) -> str:
-    """`dst` as a hard link to `src` ("link"), or where links are refused a copy whose size and
-    sha256 match the manifest ("copy"). A file swapped for a symlink meanwhile is refused."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except FileNotFoundError:
-        raise MissingShardError(f"{src} was removed while it was merged (a writer rewriting that part?); nothing "
-                                "was written; merge again once no one writes the parts") from None
-    except OSError as e:
-        if e.errno not in NO_LINK_ERRNOS:
-            raise
-        _copy_checked(src, dst, size, sha256)
-        return "copy"
-    st = os.lstat(dst)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-        raise CorruptDatasetError(f"{src} changed while it was merged (now not a {size}-byte file); "
-                                  "nothing was written; check the part and merge again")
-    return "link"
-
-
-def _copy_checked(src: Path, dst: Path, size: int, sha256: str) -> None:
-    h = hashlib.sha256()
-    n = 0
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        with open(dst, "xb") as out:
-            while chunk := os.read(fd, COPY_CHUNK):
-                h.update(chunk)
-                out.write(chunk)
-                n += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-    finally:
-        os.close(fd)
-    if n != size or h.hexdigest() != sha256:
-        raise CorruptDatasetError(f"{src} does not match its manifest's size and sha256; nothing was written; "
-                                  f"run `kvdata verify {src.parent.parent}` and restore the shard")
 
 
 # ---------------------------------------------------------------- --move
@@ -413,6 +375,9 @@ def _remove_part(p: _Part) -> list[str]:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             left += sorted(f"{sub}/{n}" for n in os.listdir(root / sub))
+    for reg in root.glob("readers-i*.lock"):  # the part's reader registries (store.pins): nothing to pin any more
+        if names.parse_reader_pin_name(reg.name) is not None:
+            unlink_quiet(reg)
     unlink_quiet(root / names.LOCK)  # ours (held since the merge began); unlinking it frees no one
     try:
         root.rmdir()

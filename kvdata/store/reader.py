@@ -67,6 +67,10 @@ class Reader:
         """Read `gen` from now on (mapped shards it shares with the old one stay mapped)."""
         old_tail = self.gen.manifest.tail
         self.gen = gen
+        wanted = {s.sha256 for s in gen.shards}
+        for sha in [sha for sha in self._sealed if sha not in wanted]:  # rewritten by a compaction: let
+            self._sealed.pop(sha).close()                               # its file go (views stay valid)
+            self._sealed_ids.pop(sha, None)
         self._handles = [self._sealed.get(s.sha256) for s in gen.shards]
         if self._tail_env is not None and old_tail != gen.manifest.tail:
             ENVS.release(self._tail_env)
@@ -441,8 +445,15 @@ class Reader:
         tid = mine.tail.id
         current = read_manifest(self.root)
         if current.incarnation != mine.incarnation:
-            raise MissingShardError(f"{self.root} was written again (mode \"w\") since this reader opened it, and "
-                                    f"its old tail {mine.tail.name} is gone; open the dataset again")
+            # compacted or written again since: a pinned reader's old files stay (store.pins),
+            # and a name is never reused, so the file of that name holds our tail's records
+            path = self.gen.shards_dir / names.shard_name(tid, mine.incarnation)
+            try:
+                size = os.stat(path, follow_symlinks=False).st_size
+                return SealedShard(path, size)
+            except (OSError, KVDataError):
+                raise MissingShardError(f"{self.root} was compacted or written again since this reader opened it, "
+                                        f"and its old tail {mine.tail.name} is gone; open the dataset again") from None
         for e in current.shards:
             if e.id == tid:
                 return self._map_shard(e)

@@ -2,9 +2,11 @@
 
 Recovery never deletes what it cannot account for. It removes only leftovers it can name the
 origin of -- temp files, tails already sealed into a committed shard, index files of older
-generations, lock files of LMDB files that are gone, the files of the incarnation a "w"
-rewrite replaced, and files this writer itself made since its last commit -- and moves every
-other file the manifest does not name into `lost+found/<time>-<pid>/`, with a warning.
+generations, lock files of LMDB files that are gone, files this writer itself made since its
+last commit, and what a journal accounts for (store.retire: the files of an uncommitted
+compaction; those of the generation a compaction or a "w" rewrite replaced, once no reader
+pins them -- until then they stay where readers look for them) -- and
+moves every other file the manifest does not name into `lost+found/<time>-<pid>/`, with a warning.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from .._util.fsutil import fsync_dir, unlink_quiet
 from ..format import Manifest, names
+from .retire import Swept, sweep
 from .shards import is_tail_link
 
 log = logging.getLogger("kvdata")
@@ -29,21 +32,17 @@ LOST_FOUND = "lost+found"  # where recovery moves files it cannot account for
 class LeftBehind:
     """What the writer running recovery knows it made or replaced."""
 
-    retired: Manifest | None         # the generation a "w" rewrite replaced: its files may go
     written: frozenset[str]          # shard-dir files this writer created since its last commit
     writing_generation: int | None   # index files of this generation are its failed commit's
 
 
-def tidy(root: Path, m: Manifest, left: LeftBehind) -> None:
-    """Bring the dataset directory to exactly the files `m` names (see the module docstring)."""
+def tidy(root: Path, m: Manifest, left: LeftBehind) -> Swept:
+    """Bring the dataset directory to exactly the files `m` names (see the module docstring),
+    but for files kept for readers; returns what the compaction journals settled."""
+    swept = settle(root, m)
     shards_dir = root / names.SHARDS_DIR
-    retired = left.retired
-    retired_files: set[str] = set()
-    if retired is not None and retired.incarnation != m.incarnation:
-        retired_files = {s.name for s in retired.shards} | {s.zst.name for s in retired.shards if s.zst} \
-            | {retired.tail.name, names.lmdb_lock_name(retired.tail.name)}
     keep = {s.name for s in m.shards} | {s.zst.name for s in m.shards if s.zst} \
-        | {m.tail.name, names.lmdb_lock_name(m.tail.name)}
+        | {m.tail.name, names.lmdb_lock_name(m.tail.name)} | set(swept.kept)
     aside: list[Path] = []
     for p in root.glob(names.MANIFEST + ".tmp*"):  # a writer killed while replacing the manifest
         unlink_quiet(p)
@@ -52,8 +51,8 @@ def tidy(root: Path, m: Manifest, left: LeftBehind) -> None:
             continue
         base = p.name[:-len("-lock")] if p.name.endswith("-lock") else p.name
         tail = names.parse_tail_name(base)
-        if p.name.endswith(".tmp") or p.name in retired_files or p.name in left.written:
-            unlink_quiet(p)  # a seal's temp file; a file of the generation "w" replaced; our own
+        if p.name.endswith(".tmp") or p.name in left.written:
+            unlink_quiet(p)  # a seal's temp file; our own
         elif p.name.endswith("-lock") and not os.path.lexists(shards_dir / base):
             unlink_quiet(p)  # an LMDB lock file (a reader table, no data) of a file that is gone
         elif tail is not None and tail[1] == m.incarnation and tail[0] < m.tail.id:
@@ -66,14 +65,28 @@ def tidy(root: Path, m: Manifest, left: LeftBehind) -> None:
     for p in (root / names.INDEX_DIR).iterdir():
         if p.name in keep_index:
             continue
-        if names.is_index_name(p.name) and _generation_of(p.name) <= m.generation:
+        gen = names.index_generation(p.name)
+        if gen is not None and gen <= m.generation:
             unlink_quiet(p)  # an older generation's index file (derived state)
-        elif names.is_index_name(p.name) and _generation_of(p.name) == left.writing_generation:
+        elif gen is not None and gen == left.writing_generation:
             unlink_quiet(p)  # written by this writer's commit that failed
         else:
             aside.append(p)
     if aside:
         move_aside(root, aside)
+    return swept
+
+
+def settle(root: Path, m: Manifest) -> Swept:
+    """Settle the compaction journals against `m` (store.retire.sweep); a journal that accounts
+    for nothing goes to lost+found/. The caller holds the writer lock."""
+    swept = sweep(root, m)
+    if swept.aside:
+        move_aside(root, swept.aside)
+    if swept.kept:
+        log.info("kvdata: %s: %d file(s) of a compacted generation kept while readers use it (%s)", root,
+                 len(swept.kept), "; ".join(swept.why))
+    return swept
 
 
 def move_aside(root: Path, paths: list[Path]) -> None:
@@ -105,7 +118,3 @@ def holds_data(root: Path) -> bool:
         except (FileNotFoundError, NotADirectoryError):
             pass
     return False
-
-
-def _generation_of(index_name: str) -> int:
-    return int(index_name.split("-")[1].split(".")[0])

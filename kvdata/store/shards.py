@@ -28,7 +28,7 @@ import numpy as np
 from .. import format as fmt
 from .._util.fsutil import fsync_dir, fsync_file, unlink_quiet
 from ..errors import CorruptDatasetError, MissingShardError
-from ..format import ShardEntry, names
+from ..format import ShardEntry, ZstCopy, names
 from ..format.codec import compress_file, file_sha256, zst_copy
 
 MAX_READERS = 1024
@@ -411,21 +411,14 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
     try:
         if src == dest:
             fsync_dir(shards_dir)
-            records = _scan_env(tail_env, dest)
+            records = scan_env(tail_env, dest)
         else:
             unlink_quiet(tmp)
             tail_env.copy(str(tmp), compact=True)
             fsync_file(tmp)
             records = scan(tmp)
         size, sha = (os.stat(src).st_size, "") if hash_later else file_sha256(src)
-        zst = None
-        if compress:
-            with open(ztmp, "wb") as f:
-                framed = compress_file(src, f, records=records)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(ztmp, dest.with_name(names.zst_name(dest.name)))
-            zst = zst_copy(names.zst_name(dest.name), framed)
+        zst = write_cold_copy(src, dest, records) if compress else None
         if src == tmp:
             os.replace(tmp, dest)
             src = dest
@@ -439,6 +432,25 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
         unlink_quiet(ztmp)
         raise
     return ShardEntry(shard_id, dest.name, int(len(records)), size, sha, zst), records
+
+
+def write_cold_copy(src: Path, dest: Path, records: np.ndarray) -> ZstCopy:
+    """The framed zstd copy of the shard file `src` as `<dest>.zst` (written to a temp name,
+    never through a link planted there, fsync'ed, renamed); its manifest entry. The caller
+    fsyncs the directory."""
+    final = dest.with_name(names.zst_name(dest.name))
+    ztmp = final.with_name(final.name + ".tmp")
+    fd = os.open(ztmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            framed = compress_file(src, f, records=records)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(ztmp, final)
+    except BaseException:
+        unlink_quiet(ztmp)
+        raise
+    return zst_copy(final.name, framed)
 
 
 def is_tail_link(shards_dir: Path, name: str, tail_name: str) -> bool:
@@ -482,14 +494,15 @@ def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], No
     """
     env = open_sealed_lmdb(path)
     try:
-        return _scan_env(env, path, on_record)
+        return scan_env(env, path, on_record)
     finally:
         ENVS.release(env)
 
 
-def _scan_env(env: lmdb.Environment, path: Path,
+def scan_env(env: lmdb.Environment, path: Path,
               on_record: Callable[[int, fmt.RecordHeader, memoryview], None] | None = None) -> np.ndarray:
-    """scan() through an open env of the file at `path` (a sealing tail's own env)."""
+    """scan() through an open env of the file at `path` (a sealing tail's own env, a compacted
+    shard's writer)."""
     addrs: list[int] = []
     sizes: list[int] = []
     head_kind: list[int] = []
@@ -519,6 +532,32 @@ def _scan_env(env: lmdb.Environment, path: Path,
     rows["head_kind"] = np.array(head_kind, dtype=np.uint32)
     if base is not None and n:
         _check_offsets(path, rows)
+    return rows
+
+
+def written_rows(env: lmdb.Environment, path: Path, head_kind: np.ndarray) -> np.ndarray:
+    """Record rows of a shard just written by a caller that knows every record's head and kind
+    (`head_kind`, in slot order): like scan_env, but only each value's place in LMDB's map is
+    learned, not its header (a compaction writes tens of thousands of records a second)."""
+    try:
+        with ENVS.read(env, buffers=True) as txn:
+            views = list(txn.cursor().iternext(keys=False))
+            addrs = [np.frombuffer(v, np.uint8).__array_interface__["data"][0] for v in views]
+            sizes = [len(v) for v in views]
+            base = _map_base(path, addrs[0]) if addrs else None
+            del views
+    except lmdb.Error as e:
+        raise CorruptDatasetError(f"{path}: LMDB cannot read this shard ({e}); it was just written") from None
+    if len(addrs) != len(head_kind):
+        raise CorruptDatasetError(f"{path}: holds {len(addrs)} of the {len(head_kind)} records written")
+    rows = np.zeros(len(addrs), dtype=fmt.RECORD_DTYPE)
+    rows["head_kind"] = head_kind
+    rows["size"] = np.array(sizes, dtype=np.int64) - (np.asarray(head_kind, np.int64) & fmt.MAX_HEAD)
+    if base is not None:
+        rows["offset"] = np.array(addrs, dtype=np.uint64) - np.uint64(base)
+        _check_offsets(path, rows)
+    else:
+        rows["offset"] = fmt.UNKNOWN_OFFSET
     return rows
 
 

@@ -4,7 +4,8 @@ Commit protocol (a crash at any instant leaves the old or the new generation):
   1. the tail's LMDB transaction commits and is synced (sealed shards were fsync'ed when sealed);
   2. the new side-index rows/runs go to files no reader of the old generation looks at, fsync'ed;
   3. manifest.json is replaced by rename (the commit point), and the directory fsync'ed;
-  4. files the new generation no longer references are removed.
+  4. files the new generation no longer references are removed (and those of a compacted
+     generation that no reader pins any more: store.retire).
 Opening a writer (and a failed commit) runs recovery, which first checks that every file the
 manifest names is there, then cuts the tail back to the slots the manifest committed and puts
 files the manifest does not name out of the way: leftovers it can account for (temp files,
@@ -48,7 +49,8 @@ from . import index as ix
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .reader import Reader
-from .recovery import LeftBehind, holds_data, tidy
+from .recovery import LeftBehind, holds_data, settle, tidy
+from .retire import Journal, old_files, write_journal
 from .shards import ENVS, Hasher, open_tail_for_write, release_dead_pages, seal, truncate_tail
 
 LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
@@ -106,7 +108,6 @@ class Writer:
             if _disk_full(e):
                 raise CommitError(_full_at_open(root, e)) from None
             raise
-        self._retired: Manifest | None = None  # the generation a "w" rewrite replaced: its files may go
         self._written: set[str] = set()  # shard-dir files this writer created: recovery may remove them
         self._writing_generation: int | None = None  # index files of this generation are ours (a commit in flight)
         self._created = False  # True: this writer made the dataset, so a failed first write removes it
@@ -148,14 +149,18 @@ class Writer:
 
     def _start_empty(self, shard_size: int, compress: bool) -> None:
         """A new, empty generation. Written again from empty ("w"), the dataset starts a new
-        incarnation, so none of its new file names can be one an old reader opens."""
+        incarnation, so none of its new file names can be one an old reader opens; the old
+        generation's files go as a compaction's do (store.retire): a journal written first
+        names them, and they are removed once no reader pins them."""
         generation = 0
         try:
             old = read_manifest(self.root)
-            generation = old.generation + 1
-            self._retired = old
         except (NotADatasetError, CorruptDatasetError):
             pass
+        else:
+            generation = old.generation + 1
+            settle(self.root, old)  # a killed compaction to this incarnation: its files go first
+            write_journal(self.root, Journal(generation, old.generation, old.incarnation, old_files(old)))
         atomic_write(self.root / names.MANIFEST, fmt.dump_manifest(fmt.new_manifest(shard_size, compress, generation)))
 
     def _recover(self, shard_size: int | None = None) -> None:
@@ -205,7 +210,7 @@ class Writer:
 
     def _tidy(self, m: Manifest) -> None:
         """Remove leftovers recovery can account for; move anything else aside, never delete it."""
-        tidy(self.root, m, LeftBehind(self._retired, frozenset(self._written), self._writing_generation))
+        tidy(self.root, m, LeftBehind(frozenset(self._written), self._writing_generation))
 
     def _publish(self, gen: Generation) -> None:
         """Readers in this process see `gen` from now on."""
@@ -446,10 +451,10 @@ class Writer:
             unlink_quiet(self.shards_dir / old_tail)
             unlink_quiet(self.shards_dir / names.lmdb_lock_name(old_tail))
         self._old_envs.clear()
+        settle(self.root, new_m)  # files of a compacted generation whose readers have gone (store.retire)
         self.m = new_m
         self.pending = Pending()
         self._written.clear()
-        self._retired = None
         self._publish(load_generation(self.root))
         return new_m.generation
 

@@ -10,4 +10,5 @@ so test modules import these as `from helpers.daemon import ...`.
 - cli:     the installed `kvdata` script run in a subprocess (Cli, Result)
 - daemon:  kvdatad as a subprocess (Kit, Daemon), raw protocol sockets, the reader subprocess
 - servers: moto's S3 server and nginx as local homes, tier configs and datasets for them
+- forked:  work in a forked child that a test SIGKILLs in the middle (crash safety)
 """

@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import struct
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from helpers.cli import Cli
+from helpers.forked import run_forked
 from helpers.parts import CLASSES, records, same, write_part
 
 import kvdata
@@ -60,7 +58,7 @@ def _count(path: Path) -> int:
 def _snapshot(path: Path) -> dict[str, tuple[int, int]]:
     """(inode, size) of every file of a dataset: a part that was not modified keeps them all."""
     return {str(p.relative_to(path)): (p.stat().st_ino, p.stat().st_size) for p in sorted(path.rglob("*"))
-            if p.is_file() and p.name != names.LOCK}
+            if p.is_file() and p.name != names.LOCK and names.parse_reader_pin_name(p.name) is None}
 
 
 def test_merged_reads_like_one_dataset_written_in_one_go(parts: list[Path], tmp_path: Path) -> None:
@@ -93,7 +91,8 @@ def test_merged_reads_like_one_dataset_written_in_one_go(parts: list[Path], tmp_
     part_shards = [p / names.SHARDS_DIR / e.name for p in parts for e in _manifest(p).shards]
     assert [p.name for p in merged_shards] == [names.shard_name(i) for i in range(n_shards)]
     assert [p.stat().st_ino for p in merged_shards] == [p.stat().st_ino for p in part_shards]
-    assert sorted(os.listdir(out)) == sorted([names.LOCK, names.MANIFEST, names.SHARDS_DIR, names.INDEX_DIR])
+    assert sorted(os.listdir(out)) == sorted([names.LOCK, names.MANIFEST, names.SHARDS_DIR, names.INDEX_DIR,
+                                              names.reader_pin_name(0)])  # (its readers' registry: store.pins)
     assert [_snapshot(p) for p in parts] == before  # parts untouched, and still read
     assert all(verify(p, progress=False)["ok"] for p in parts)
 
@@ -308,39 +307,9 @@ KILLS = 10
 
 
 def _fork_merge(args: list[Path], dest: Path, delay: float | None) -> float | None:
-    """Merge in a forked child (no interpreter start: the kill lands in the merge itself); with
-    `delay`, SIGKILL it that long after it starts merging, else return how long the merge took."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: merge, report, and leave without running any of pytest's teardown
-        code = 1
-        try:
-            os.close(r)
-            os.write(w, b"g")
-            t = time.perf_counter()
-            merge(args, dest)
-            os.write(w, struct.pack("<d", time.perf_counter() - t))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    try:
-        assert os.read(r, 1) == b"g"
-        if delay is None:
-            took = struct.unpack("<d", os.read(r, 8))[0]
-            assert os.waitpid(pid, 0)[1] == 0
-            pid = 0
-            return float(took)
-        time.sleep(delay)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pid = 0
-        return None
-    finally:
-        os.close(r)
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    """Merge in a forked child; with `delay`, SIGKILL it that long after it starts merging,
+    else return how long the merge took."""
+    return run_forked(lambda: merge(args, dest), delay)
 
 
 @pytest.mark.timeout(120)
