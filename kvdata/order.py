@@ -132,6 +132,44 @@ def first_use_order(shards_of_samples: np.ndarray) -> np.ndarray:
     return ids[np.argsort(first[ids], kind="stable")]
 
 
+def planned_shard_sequence(groups: ShardGroups, seed: int, epoch: int, window: int, rank: int,
+                           world_size: int, drop_last: bool) -> np.ndarray:
+    """The shards a rank reads in an epoch, in reading order at window granularity, from the
+    shard permutation alone (no per-sample order: O(shards), not O(samples)).
+
+    What a stager needs to plan ahead (e.g. the next epoch's sequence announced with this
+    one's): the shards of every window of `window` shards that the rank's contiguous slice of
+    the epoch order overlaps, windows in order, shards in permuted order within a window. The
+    windows cut at the slice's ends may hold shards whose samples all went to the neighbouring
+    rank (the sample shuffle inside a window decides): those are listed too."""
+    n = groups.num_samples
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    perm = shard_permutation(groups, seed, epoch)
+    lengths = groups.counts[perm]
+    ends = np.cumsum(lengths)
+    w_ends = ends[np.minimum(np.arange(window - 1, len(perm) + window - 1, window), len(perm) - 1)]
+    w_starts = np.concatenate([[0], w_ends[:-1]])
+    per = samples_per_rank(n, world_size, drop_last)
+    lo, hi = rank * per, (rank + 1) * per
+    spans = [(lo, min(hi, n))]
+    if hi > n:  # wrap-around padding (rank_share): the slice goes on at the epoch's start
+        spans.append((0, hi - n))
+    seq: list[np.ndarray] = []
+    for a, b in spans:
+        if b <= a:
+            continue
+        hit = np.nonzero((w_starts < b) & (w_ends > a))[0]
+        if len(hit):
+            first, last = int(hit[0]) * window, min(len(perm), (int(hit[-1]) + 1) * window)
+            seq.append(groups.shard_ids[perm[first:last]])
+    if not seq:
+        return np.zeros(0, dtype=np.int64)
+    out = np.concatenate(seq).astype(np.int64)
+    _, keep = np.unique(out, return_index=True)  # a shard listed twice (wrap-around) counts once, first
+    return out[np.sort(keep)]
+
+
 # ---------------------------------------------------------------- locality-aware orders
 #
 # With many nodes, a global order makes every node read a fresh 1/nodes of the shards every

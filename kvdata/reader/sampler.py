@@ -153,7 +153,7 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
 
         # the next epoch's order is known too (a pure function of seed and epoch): announcing
         # it lets eviction keep what the next epoch reads first instead of flushing at the boundary
-        following = order_mod.first_use_order(self._shards[self._order_of(self.epoch + 1)]) if self.shuffle else seq
+        following = self._planned_next() if self.shuffle else seq
         announce(self._reader, seq.tolist() + following.tolist(), position(start))
         last = [position(start)]
 
@@ -164,6 +164,16 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
                 report(self._reader, p)
 
         return step
+
+    def _planned_next(self) -> np.ndarray:
+        """The next epoch's shard sequence for the stager's plan. Not the next epoch's whole
+        order, which would cost as much again before this epoch's first index: the shard
+        permutation at window granularity (order.planned_shard_sequence), or, for the locality
+        order, the node's part of it."""
+        if self.locality:
+            return order_mod.first_use_order(self._shards[self._order_of(self.epoch + 1)])
+        return order_mod.planned_shard_sequence(self._groups, self.seed, self.epoch + 1, self.window, self.rank,
+                                                self.world_size, self.drop_last)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where to resume. `consumed` = samples of this epoch the training loop has

@@ -308,6 +308,37 @@ def test_the_order_and_the_next_are_announced_before_the_first_index() -> None:
     shards = ds.sample_shards[np.array(out)]
     _, first = np.unique(shards, return_index=True)
     assert seq[:10] == shards[np.sort(first)].tolist()  # this epoch's shards in first-use order
-    nxt = ds.sample_shards[sampler.indices(1)]
-    _, first = np.unique(nxt, return_index=True)
-    assert seq[10:] == nxt[np.sort(first)].tolist()  # then the next epoch's
+    from kvdata import order as om
+
+    groups = om.group_by_shard(ds.sample_shards)  # then the next epoch's, planned from its shard permutation
+    assert seq[10:] == om.planned_shard_sequence(groups, 3, 1, sampler.window, 0, 1, False).tolist()
+    assert sorted(seq[10:]) == sorted(set(ds.sample_shards[sampler.indices(1)].tolist()))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_planned_shard_sequence_covers_the_ranks_shards_in_window_order(seed: int) -> None:
+    """order.planned_shard_sequence (the next epoch's plan announced with this epoch's order)
+    lists every shard the rank will read, windows in reading order, and at most the shards of
+    the two windows cut at the slice's ends besides."""
+    from kvdata import order as om
+
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(1, 40, rng.integers(1, 60))
+    shards = np.repeat(np.arange(len(counts)), counts).astype(np.uint32)
+    groups = om.group_by_shard(shards)
+    for world, window, drop_last in ((1, 8, False), (3, 2, False), (4, 3, True), (7, 1, False)):
+        order = om.epoch_order(groups, seed, 5, window)
+        for rank in range(world):
+            mine = om.rank_share(order, rank, world, drop_last)
+            exact = om.first_use_order(shards[mine])
+            planned = om.planned_shard_sequence(groups, seed, 5, window, rank, world, drop_last)
+            assert len(set(planned.tolist())) == len(planned)
+            assert set(exact.tolist()) <= set(planned.tolist())
+            assert len(planned) - len(exact) <= 2 * window
+            # windows come in reading order: a shard's window never goes back in the exact order
+            perm = groups.shard_ids[om.shard_permutation(groups, seed, 5)]
+            window_of = {int(s): i // window for i, s in enumerate(perm)}
+            if not drop_last and world * -(-len(shards) // world) > len(shards):
+                continue  # the wrap-around padding starts the order again
+            w = [window_of[int(s)] for s in exact]
+            assert w == sorted(w)
