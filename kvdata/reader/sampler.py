@@ -71,6 +71,8 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         shards = np.asarray(dataset.sample_shards)
         self._groups = order_mod.group_by_shard(shards)
         self._shards = shards
+        # the locality row is replayed epoch by epoch: remembering it makes the next epoch's cheap
+        self._slots = order_mod.SlotCache(self._groups.counts, self.seed, self.exchange) if self.locality else None
         self.num_samples = order_mod.samples_per_rank(len(shards), self.world_size, self.drop_last)
         self._dataset = dataset  # announce()/progress() feed the staging engine, if it has them
         self._reader = f"sampler-{os.getpid()}-{id(self):x}-rank{self.rank}"
@@ -107,7 +109,8 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
                 return mine
         if self.locality:
             mine = order_mod.locality_shares(self._groups, self.seed, e, self.nodes, self.world_size, self.exchange,
-                                             self.window, self.shuffle, self.drop_last, history)[self._slot]
+                                             self.window, self.shuffle, self.drop_last, history,
+                                             cache=self._slots)[self._slot]
         else:
             full = order_mod.epoch_order(self._groups, self.seed, e, self.window, self.shuffle)
             mine = order_mod.rank_share(full, self.rank, self.world_size, self.drop_last)
