@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--exchanges", type=float, nargs="+", default=[0.1])
     p.add_argument("--window", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=8, help="epochs measured (the first --warm are warm-up)")
+    p.add_argument("--epochs", type=int, default=12, help="epochs measured (the first --warm are warm-up)")
     p.add_argument("--warm", type=int, default=2, help="epochs before the measured transitions")
     p.add_argument("--budget", type=float, default=1.2, help="tier budget, in a node's part of the dataset")
-    p.add_argument("--tier-max-shards", type=int, default=2048,
+    p.add_argument("--tier-max-shards", type=int, default=4096,
                    help="simulate tiers only for layouts of at most this many shards (the simulation is Python)")
     p.add_argument("--no-global", action="store_true", help="leave out the global-order reference rows")
     p.add_argument("--seed", type=int, default=0)
@@ -171,9 +171,12 @@ def main(argv: list[str] | None = None) -> None:
                        f"{r['split_mean']:.2f} ({r['split_max']})",
                        f"{r['s3_warm']:.3f} (max {r['s3_warm_max']:.3f})" if "s3_warm" in r else "-"] for r in rows])
     cmd = "python bench/locality_churn.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
-    md = (f"{args.ranks_per_node} ranks per node, window {args.window}, {args.samples_per_shard} samples per shard "
+    md = ("## kvdata bench/locality_churn.py\n\n"
+          f"### New shards per node and epoch, from the order alone ({machine_line()})\n\n"
+          f"{args.ranks_per_node} ranks per node, window {args.window}, {args.samples_per_shard} samples per shard "
           f"(unequal: {args.samples_per_shard // 2}-{args.samples_per_shard * 3 // 2}), epochs {args.warm}-"
-          f"{args.epochs - 1} measured, tiers of {args.budget:g}x a node's part ({machine_line()}).\n\n"
+          f"{args.epochs - 1} measured, tiers of {args.budget:g}x a node's part (simulated for layouts of at most "
+          f"{args.tier_max_shards} shards).\n\n"
           f"{table}\nProduced by `{cmd.strip()}` in {time.perf_counter() - t0:.0f} s.\n")
     print(md)
     if args.json:

@@ -162,15 +162,21 @@ def first_use_order(shards_of_samples: np.ndarray) -> np.ndarray:
 # shards: no node is ever more than about half a shard from its cut, so nothing else has to
 # move to even the nodes out, and a split shard stays split between the same two nodes
 # until its own era ends. With equal shards the cuts always land inside the split shards
-# (or exactly between shards, when the nodes' shares are whole shards: then none is split);
-# with unequal shards a cut that misses re-derives the slots from the cuts (the shard it
-# falls in becomes the split shard). A node keeps about 1 - exchange of its shards from one
-# epoch to the next; exchange=0 never re-draws.
+# (or exactly between shards, when the nodes' shares are whole shards: then none is split).
+# With unequal shards a cut can miss its split shard (a re-drawn shard larger than the split
+# one lies across it): the re-drawn shard becomes the split shard instead, the old one going
+# whole to the node that read most of it (so split shards tend to be large ones, and misses
+# grow rare); only where that does not fit either are the slots re-derived from the cuts
+# (the shard a cut falls in becomes its split shard). A node keeps about 1 - exchange of its
+# shards from one epoch to the next; exchange=0 never re-draws. Measured from the order alone
+# by bench/locality_churn.py: 9.4-12.5% of the shards a node reads are new to it each epoch
+# at exchange 0.1, for 2 to 64 nodes of 16 to 160 shards, equal or unequal.
 #
 # The row at epoch e depends on the row at e - 1, so shard_slots replays the re-draws from
 # epoch 0 (from epoch e itself when every shard is re-drawn every epoch): a pure function of
 # (seed, epoch, nodes, exchange, shard sizes), at a cost of a few numpy calls per epoch over
-# the re-drawn shards only (about 1 ms per 30 epochs here, whatever the dataset size).
+# the re-drawn shards (about 0.1 ms an epoch at 1,000 shards, 1 ms at 100,000). SlotCache
+# remembers how far it got, so a sampler asking for epoch after epoch replays one each.
 
 _PHASE = 1 << 20  # phases and rates in integer units of 1/_PHASE: exact and platform-independent
 _SALT_PHASE, _SALT_FILL = 11, 13
