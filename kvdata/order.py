@@ -330,8 +330,10 @@ class _Row:
 
     def _swap_split(self, j: int, g: int, major_left: bool) -> None:
         """A cut missed its split shard: let the re-drawn shard across it be the split shard
-        instead (a fresh shard, new to one side anyway; never smaller than the one it replaces,
-        so misses grow rarer), the old one going whole to the side that read most of it."""
+        instead (it moves anyway, so it is new to one side already), the old one going whole
+        to the side that read most of it. A cut misses mostly where a re-drawn shard larger
+        than the split shard lies across it, so split shards tend to be large ones and misses
+        grow rare."""
         if self.slot[g] not in (2 * j, 2 * j + 2):
             return                                     # across another junction too: reslot
         b = int(self.split[j])
