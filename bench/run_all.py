@@ -209,6 +209,7 @@ BENCHES: list[Bench] = [
     Bench("daemon", "daemon.py", ["--quick"], [], requires=_daemon_missing, plot="daemon"),
     Bench("multinode", "multinode.py", ["--quick"], [], requires=lambda: _daemon_missing() or multinode_missing()),
     Bench("shuffle_quality", "shuffle_quality.py", ["--quick"], [], plot="shuffle_quality"),
+    Bench("locality_churn", "locality_churn.py", ["--quick"], []),
     Bench("fuzz", "fuzz.py", ["--quick"], [],
           requires=needs_modules("google.protobuf", "PIL", hint="the Caffe targets; pip install -e '.[test]'")),
 ]

@@ -36,12 +36,14 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
     - shard_order(epoch) is the shard sequence this rank will read, for the stager.
 
     locality=True (for many nodes, each with its own tier): each node reads a stable part of
-    the shards, balanced by sample count, and every epoch a fraction `exchange` of each
-    node's shards moves to other nodes, so over epochs every sample meets every other.
-    Inside a node the shard order and the window shuffle are as above, split across the
-    node's ranks; every rank still gets len(self) samples (nodes with more samples than
-    their share hand the tail of their order to the nodes with fewer). The partition is a
-    pure function of (seed, epoch, nodes). `nodes` defaults to world_size //
+    the shards, and every epoch a fraction `exchange` of each node's shards moves to other
+    nodes, so over epochs every sample meets every other (and a node's tier fetches about
+    `exchange` of its part per epoch). The nodes are evened out in whole shards: a node's
+    samples differ from another's by at most one, made of its whole shards and parts of at
+    most two shards split with its neighbours. Inside a node the shard order and the window
+    shuffle are as above, split across the node's ranks; every rank still gets len(self)
+    samples (a node short of its ranks' count repeats the head of its own order). The
+    partition is a pure function of (seed, epoch, nodes). `nodes` defaults to world_size //
     LOCAL_WORLD_SIZE (set by torchrun) when torch.distributed is initialized, else 1; a
     rank's node is rank // (world_size // nodes) (torchrun's layout) unless `node` says
     otherwise (its place inside the node is then LOCAL_RANK, or rank % ranks per node).
@@ -71,6 +73,8 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         shards = np.asarray(dataset.sample_shards)
         self._groups = order_mod.group_by_shard(shards)
         self._shards = shards
+        # the locality row is replayed epoch by epoch: remembering it makes the next epoch's cheap
+        self._slots = order_mod.SlotCache(self._groups.counts, self.seed, self.exchange) if self.locality else None
         self.num_samples = order_mod.samples_per_rank(len(shards), self.world_size, self.drop_last)
         self._dataset = dataset  # announce()/progress() feed the staging engine, if it has them
         self._reader = f"sampler-{os.getpid()}-{id(self):x}-rank{self.rank}"
@@ -107,7 +111,8 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
                 return mine
         if self.locality:
             mine = order_mod.locality_shares(self._groups, self.seed, e, self.nodes, self.world_size, self.exchange,
-                                             self.window, self.shuffle, self.drop_last, history)[self._slot]
+                                             self.window, self.shuffle, self.drop_last, history,
+                                             cache=self._slots)[self._slot]
         else:
             full = order_mod.epoch_order(self._groups, self.seed, e, self.window, self.shuffle)
             mine = order_mod.rank_share(full, self.rank, self.world_size, self.drop_last)
