@@ -88,6 +88,7 @@ class Params:
     workers: int = 3                  # staging jobs at once per Engine (Engine workers)
     verify_bps: float = 1e9           # bytes/s one staging job decompresses and hashes
     record_gets_per_sample: float = 1.0
+    bypass_whole: bool = False        # what-if, NOT kvdata today: bypassed shards streamed whole, not by record
     lookahead: int = 16               # Engine lookahead (shards ahead of a reader)
     window: int = 8                   # ShardShuffleSampler window
     exchange: float = 0.1             # ShardShuffleSampler exchange (locality)
@@ -96,6 +97,7 @@ class Params:
     slots: int = 16                   # virtual samples per shard (at most the real ones)
     scale: int = 1                    # simulate 1/scale of the shards (and of the tiers)
     detail: int = 4                   # nodes simulated; the others are taken to be alike
+    lockstep: bool = True             # every GPU takes its next batch together (DDP); False: ranks run free
     dt: float = 0.25                  # tick, seconds
 
     # ---- derived
@@ -131,7 +133,7 @@ class Params:
 class Job:
     """One whole-shard fetch (a staging job, or a private copy for a reader that waits)."""
 
-    __slots__ = ("shard", "need_now", "rank", "private", "left", "gets_per_byte", "delay", "size")
+    __slots__ = ("shard", "need_now", "rank", "private", "left", "gets_per_byte", "delay", "size", "budget")
 
     def __init__(self, p: Params, shard: int, need_now: bool, rank: int | None) -> None:
         self.shard, self.need_now, self.rank, self.private = shard, need_now, rank, False
@@ -139,6 +141,7 @@ class Job:
         self.gets_per_byte = math.ceil(p.zst_shard / p.part_bytes) / p.zst_shard
         self.delay = p.latency
         self.size = int(p.shard_bytes)
+        self.budget = 0.0                  # seconds of the current tick it may still use
 
 
 @dataclass
@@ -213,7 +216,8 @@ class Reader:
 
     def reset_epoch(self, t0: float) -> None:
         self.t0 = t0
-        self.stall = 0.0
+        self.stall = 0.0             # seconds this GPU waited for its own data
+        self.waited = 0.0            # seconds it waited in step with another GPU that waited (DDP)
         self.ttfb: float | None = None
         self.finish: float | None = None
         self.hits = 0
@@ -239,6 +243,10 @@ class TickLog:
         return {k: np.asarray(getattr(self, k), dtype=np.float64) for k in ("t", "gets", "s3_bytes", "staged")}
 
 
+def ep_moved(ep: RankEpoch | None, a: int, b: int) -> bool:
+    return ep is not None and ep.position(a) != ep.position(b)
+
+
 class Node:
     """A node: readers, tiers and engines as the mode lays them out."""
 
@@ -261,7 +269,8 @@ class Node:
             for r in e.readers:
                 r.engine = e
         shard = SimpleNamespace(bytes=int(p.shard_bytes))
-        self.max_open = max_open_within(int(p.sim_tier_bytes), [shard], MAX_OPEN)  # (the reader's cap)
+        # shards a reader keeps mapped: at most 1/8 of its tier (EngineSource.max_open_for)
+        self.max_open = {id(t): max_open_within(int(t.budget), [shard], MAX_OPEN) for t in self.tiers}
         self.depth = {id(t): policy.prefetch_depth(p.lookahead, int(t.budget), p.shard_bytes) for t in self.tiers}
         rate = p.gpu_rate if p.gpu_rate > 0 else p.read_rate
         self.rate_slots = rate / p.samples_per_slot
@@ -270,10 +279,19 @@ class Node:
         self.rec_cap_slots = max(1, p.num_workers) * IN_FLIGHT / per_get / p.samples_per_slot
         self.gets_per_slot = p.samples_per_slot * p.record_gets_per_sample
         self.bytes_per_slot = p.samples_per_slot * p.sample_bytes / p.compression
+        self.table_gets = max(1, p.num_workers)     # each DataLoader worker process loads a shard's seek table
+        if p.bypass_whole:   # what-if: a bypassed shard streamed whole into memory, its GETs spread over its slots
+            self.gets_per_slot = math.ceil(p.zst_shard / p.part_bytes) / p.sim_slots
+            self.bytes_per_slot = p.zst_shard / p.sim_slots
+            self.rec_cap_slots = p.parts_in_flight * p.part_bytes / (p.latency + p.part_bytes / p.conn_bps) \
+                * max(1, p.num_workers) / self.bytes_per_slot
+            self.table_gets = 0
         self.job_rate = min(p.parts_in_flight * p.part_bytes / (p.latency + p.part_bytes / p.conn_bps),
                             p.verify_bps / p.compression)
         self.get_share = p.prefixes * p.get_limit / p.nodes if p.prefixes > 0 else INF
         self.tokens_left = 0.0
+        self._t = self._dt = self._link = self._tokens = 0.0
+        self._cands: list[list] = []
         self.log = TickLog()
         self.evictions = 0
         self.private_copies = 0
@@ -317,19 +335,18 @@ class Node:
 
     # ------------------------------------------------------------ one tick
 
-    def tick(self, t: float, dt: float) -> None:
-        """Readers first (a GPU waits on them), then the staging jobs with what is left of the
-        link and of the node's S3 share; unused S3 share carries over up to one second's worth."""
-        link = self.p.link_bps / 8 * dt
-        tokens = self.get_share * dt + self.tokens_left
-        rec_bytes, rec_gets = self._read(t, dt, link, tokens)
-        left = max(0.0, tokens - rec_gets)
-        used = self._stage(dt, max(0.0, link - rec_bytes), left)
-        self.tokens_left = min(max(0.0, left - used), self.get_share)
+    def tick(self, t: float, dt: float, common: int | None = None) -> None:
+        """One tick on its own (ranks not in step with other nodes): propose, then advance."""
+        self.propose(t, dt)
+        self.advance(common)
 
-    def _read(self, t: float, dt: float, link: float, tokens: float) -> tuple[float, float]:
-        """Every reader consumes what is readable, record reads within the process's and the
-        node's limits; a reader that meets a shard it cannot read asks for it and waits."""
+    def propose(self, t: float, dt: float) -> int:
+        """Phase 1 of a tick: how far each reader could read (what is resident, bypassed within
+        its process's GETs in flight and the node's link and S3 share, or a private copy); the
+        smallest of these over the readers still reading (a large number when none is)."""
+        self._t, self._dt = t, dt
+        self._link = self.p.link_bps / 8 * dt
+        self._tokens = self.get_share * dt + self.tokens_left
         cands = []
         for r in self.readers:
             if r.done or r.ep is None:
@@ -348,32 +365,53 @@ class Node:
         total = sum(c[8] for c in cands)
         f = 1.0
         if total:
-            f = min(1.0, link / (total * self.bytes_per_slot), tokens / (total * self.gets_per_slot))
-        rec_bytes = rec_gets = granted = table_gets = 0.0
+            f = min(1.0, self._link / (total * self.bytes_per_slot), self._tokens / (total * self.gets_per_slot))
         for c in cands:
-            r, want, m, k, seg, res, rec_cum, blocked, lim = c
-            if k and (lim < rec_cum[-1] or f < 1.0):
+            r, k, rec_cum, lim = c[0], c[3], c[6], c[8]
+            limited = bool(k) and (lim < rec_cum[-1] or f < 1.0)
+            if limited:
                 # limited by the process's GETs in flight or by the node's link and S3 share: the
                 # share granted is spent whole slots at a time (a slot is many samples), the
                 # fraction kept for the next tick
-                r.credit = min(r.credit + f * lim, self.rec_cap_slots * dt + 1.0)
-                granted += f * lim
-                k = min(k, int(np.searchsorted(rec_cum, math.floor(r.credit), side="right")))
-                r.credit -= int(rec_cum[k - 1]) if k else 0
-            elif k:
-                granted += int(rec_cum[-1])
-            recs = int(rec_cum[k - 1]) if k else 0
-            if recs:
+                allowed = min(r.credit + f * lim, self.rec_cap_slots * dt + 1.0)
+                k = min(k, int(np.searchsorted(rec_cum, math.floor(allowed), side="right")))
+            c.extend([k, limited, f * lim])
+        self._cands = cands
+        return min((c[9] for c in cands), default=1 << 62)
+
+    def advance(self, common: int | None = None) -> None:
+        """Phase 2: every reader reads what it proposed -- or, in step with the others (DDP:
+        every GPU takes its next batch together), `common` slots at most -- then the staging
+        jobs run with what is left of the link and of the node's S3 share (unused share
+        carries over, up to one second's worth)."""
+        t, dt = self._t, self._dt
+        rec_bytes = rec_gets = granted = table_gets = 0.0
+        for c in self._cands:
+            r, want, m, _k, seg, res, rec_cum, blocked, _lim, own, limited, grant = c
+            k = own if common is None else min(own, common)
+            used = int(rec_cum[k - 1]) if k else 0
+            if limited and k == own:
+                r.credit = min(r.credit + grant, self.rec_cap_slots * dt + 1.0) - used
+                granted += grant
+            elif limited:                  # held back by a GPU that waited: it asked only for what it read
+                granted += max(0.0, used - r.credit)
+                r.credit = max(0.0, r.credit - used)
+            else:
+                granted += used
+            if used:
                 fresh = set(np.unique(seg[:k][~res[:k]]).tolist()) - r.tables
                 r.tables |= fresh
-                tables = len(fresh) * max(1, self.p.num_workers)   # each worker process loads the seek table
+                tables = len(fresh) * self.table_gets
                 table_gets += tables
-                rec_gets += recs * self.gets_per_slot + tables
-                rec_bytes += recs * self.bytes_per_slot
-            r.records += recs
-            r.hits += k - recs
+                rec_gets += used * self.gets_per_slot + tables
+                rec_bytes += used * self.bytes_per_slot
+            r.records += used
+            r.hits += k - used
             before = r.cursor
             r.cursor += k
+            assert r.ep is not None
+            if k and ep_moved(r.ep, before, r.cursor):
+                r.engine.dirty = True        # the sampler reports progress: the engine replans
             if r.ttfb is None and r.cursor >= min(self.batch_slots, len(r.ep.shards)):
                 r.ttfb = t - r.t0 + max(0, self.batch_slots - before) / self.rate_slots
             if r.cursor >= len(r.ep.shards):
@@ -382,9 +420,11 @@ class Node:
                 r.carry = 0.0
             elif k == m and m == int(want):
                 r.carry = want - m
-            else:                         # waited: on a shard not there yet, or on record reads
+            else:
                 r.carry = 0.0
-                r.stall += (want - k) / self.rate_slots
+                if own < m:
+                    r.stall += (want - own) / self.rate_slots               # its own data was not there
+                r.waited += max(0, own - k) / self.rate_slots                # in step with a GPU that waited
                 if blocked is not None:
                     self._need(r, r.ep.block_shards(blocked))
         self.record_bytes += rec_bytes
@@ -393,7 +433,11 @@ class Node:
         self.log.gets.append(rec_gets)
         self.log.s3_bytes.append(rec_bytes)
         self.log.staged.append(0.0)
-        return rec_bytes, granted * self.gets_per_slot + table_gets   # the S3 share this tick took
+        taken = granted * self.gets_per_slot + table_gets    # the S3 share the readers took
+        left = max(0.0, self._tokens - taken)
+        used_s = self._stage(dt, max(0.0, self._link - rec_bytes), left)
+        self.tokens_left = min(max(0.0, left - used_s), self.get_share)
+        self._cands = []
 
     def _readable(self, r: Reader, m: int) -> tuple[int, int | None]:
         """How many of the next m slots the reader can read: up to the first block (window)
@@ -429,34 +473,49 @@ class Node:
     # ------------------------------------------------------------ staging
 
     def _stage(self, dt: float, link: float, tokens: float) -> float:
-        """Plan, start jobs, move them on; the GETs they used."""
+        """Plan, start jobs, move them on; the GETs they used. A worker whose job ends inside
+        the tick starts the next one with the rest of the tick (Engine._done replans)."""
+        got = g_used = 0.0
+        spare: dict[int, list[float]] = {}
         for e in self.engines:
-            if e.dirty:
-                self._plan(e)
-        for e in self.engines:
-            self._start(e)
-        running = [(e, j) for e in self.engines for j in e.running]
-        if not running:
-            return 0.0
-        wants = []
-        for _e, j in running:
-            d = min(j.delay, dt)
-            j.delay -= d
-            wants.append(min(j.left, self.job_rate * (dt - d)))
-        total = sum(wants)
-        gets = sum(w * j.gets_per_byte for w, (_e, j) in zip(wants, running))
-        f = 1.0
-        if total > 0:
-            f = min(1.0, link / total, tokens / gets if gets else 1.0)
-        got = 0.0
-        g_used = 0.0
-        for w, (e, j) in zip(wants, running):
-            x = w * f
-            j.left -= x
-            got += x
-            g_used += x * j.gets_per_byte
-            if j.left <= 1e-6:
-                self._finish(e, j)
+            for j in e.running:
+                j.budget = dt
+            spare[id(e)] = [dt] * max(0, e.workers - len(e.running))
+        for _round in range(4 * max(e.workers for e in self.engines) + 1):
+            for e in self.engines:
+                if e.dirty:
+                    self._plan(e)
+                self._start(e, spare[id(e)])
+            active = [(e, j) for e in self.engines for j in e.running if j.budget > 1e-9]
+            if not active:
+                break
+            wants = []
+            for _e, j in active:
+                d = min(j.delay, j.budget)
+                j.delay -= d
+                j.budget -= d
+                wants.append(min(j.left, self.job_rate * j.budget))
+            total = sum(wants)
+            gets = sum(w * j.gets_per_byte for w, (_e, j) in zip(wants, active))
+            f = 1.0
+            if total > 0:
+                f = min(1.0, max(0.0, link) / total, max(0.0, tokens) / gets if gets else 1.0)
+            freed = False
+            for w, (e, j) in zip(wants, active):
+                x = w * f
+                j.left -= x
+                got += x
+                g_used += x * j.gets_per_byte
+                if j.left <= 1e-6:
+                    used = x / (self.job_rate * f) if f > 0 else j.budget
+                    spare[id(e)].append(max(0.0, j.budget - used))
+                    self._finish(e, j)
+                    freed = True
+                j.budget = 0.0
+            link -= total * f
+            tokens -= gets * f
+            if not freed or f < 1.0:
+                break
         self.whole_bytes += got
         self.gets += g_used
         self.log.gets[-1] += g_used
@@ -470,7 +529,7 @@ class Node:
         tier = e.tier
         demands = [r.demand() for r in e.readers]
         plan = policy.plan_tier(int(tier.budget), self.sizes, tier.resident, demands,
-                                in_use=tier.held(self.max_open), lookahead=self.depth[id(tier)])
+                                in_use=tier.held(self.max_open[id(tier)]), lookahead=self.depth[id(tier)])
         busy = e.busy()
         for s in plan.stage:
             if busy >= 2 * e.workers:
@@ -483,9 +542,10 @@ class Node:
             busy += 1
         e.dirty = False
 
-    def _start(self, e: Engine) -> None:
+    def _start(self, e: Engine, spare: list[float]) -> None:
+        """Free workers take queued jobs (FIFO), each with the time its worker has left in the tick."""
         tier = e.tier
-        while len(e.running) < e.workers and e.queue:
+        while len(e.running) < e.workers and e.queue and spare:
             j = e.queue.popleft()
             if tier.is_res[j.shard]:
                 tier.inflight.pop(j.shard, None)
@@ -499,6 +559,7 @@ class Node:
             else:
                 tier.inflight.pop(j.shard, None)   # a prefetch with no room is dropped
                 continue
+            j.budget = spare.pop()
             e.running.append(j)
 
     def _room(self, tier: Tier, size: int) -> bool:
@@ -507,7 +568,7 @@ class Node:
         if tier.used + size <= tier.budget:
             return True
         victims = policy.plan_eviction(int(tier.budget - tier.reserved), tier.resident, tier.demands(), size,
-                                       in_use=tier.held(self.max_open))
+                                       in_use=tier.held(self.max_open[id(tier)]))
         for v in victims:
             tier.evict(v)
             self.evictions += 1

@@ -13,7 +13,7 @@ order, through kvdatad (`daemon`) or without it (`shared`: an Engine per rank ov
 tiers; `private`: a tier per rank).
 
   python bench/cluster_sim.py                           # N = 8, 64, 1000 at D = 100 TB: the README tables
-  python bench/cluster_sim.py --quick                   # N = 8, 64 at 2 TB, 2 epochs (seconds)
+  python bench/cluster_sim.py --quick                   # N = 8, 64 at 1 TB, 2 epochs (a smoke test, ~30 s)
   python bench/cluster_sim.py --nodes 64 --samplers locality --modes daemon --prefixes 0,1
   python bench/cluster_sim.py --calibrate run.json      # predicted vs measured (a multi-node run's JSON)
 
@@ -116,16 +116,14 @@ def simulate(p: Params, sampler: str, mode: str, show: bool = False) -> dict[str
     eps = {0: epochs_of(0)}
     t = 0.0
     out = []
+    group = [nodes[n] for n in detail]
     for e in range(p.epochs):
         eps[e + 1] = epochs_of(e + 1)
         this, nxt = eps.pop(e), eps[e + 1]
         for n in detail:
             nodes[n].start_epoch(t, [this[r] for r in ranks[n]], [nxt[r] for r in ranks[n]])
-        ends = {n: _run(nodes[n], t, p.dt, until=None) for n in detail}
-        end = max(ends.values())
-        for n in detail:
-            _run(nodes[n], ends[n], p.dt, until=end)
-        out.append(_epoch_result(p, e, t, end, [nodes[n] for n in detail]))
+        end = _run(group, t, p.dt, p.lockstep)
+        out.append(_epoch_result(p, e, t, end, group))
         if show:
             r = out[-1]
             print(f"  {sampler}/{mode} epoch {e}: {r['s3_bytes'] / TB:.2f} TB from S3, {r['epoch_s']:.0f} s, "
@@ -135,19 +133,22 @@ def simulate(p: Params, sampler: str, mode: str, show: bool = False) -> dict[str
             "seconds": time.perf_counter() - t0}
 
 
-def _run(node: Node, t: float, dt: float, until: float | None) -> float:
-    """Tick a node until its readers are done (until=None) or until `until`; the end time."""
+def _run(nodes: list[Node], t: float, dt: float, lockstep: bool) -> float:
+    """Tick the nodes together until every reader is done with the epoch (an epoch ends for
+    all at once: DDP's last step); the end time. In lockstep every reader of every node reads
+    as far as the one that got least this tick (DDP: a step needs every GPU's batch)."""
     stuck = 0
-    while (not node.done()) if until is None else (t < until - 1e-9):
-        before = sum(r.cursor for r in node.readers)
-        node.tick(t, dt)
+    while not all(n.done() for n in nodes):
+        before = sum(r.cursor for n in nodes for r in n.readers)
+        common = min(n.propose(t, dt) for n in nodes)
+        for n in nodes:
+            n.advance(common if lockstep else None)
         t += dt
-        if until is None:
-            moved = sum(r.cursor for r in node.readers) != before or node.log.s3_bytes[-1] > 0
-            stuck = 0 if moved else stuck + 1
-            if stuck > STUCK_TICKS:
-                raise RuntimeError(f"the simulation made no progress for {STUCK_TICKS} ticks at t={t:.1f}s "
-                                   f"(readers at {[r.cursor for r in node.readers]}); check the parameters")
+        moved = sum(r.cursor for n in nodes for r in n.readers) != before or any(n.log.s3_bytes[-1] > 0 for n in nodes)
+        stuck = 0 if moved else stuck + 1
+        if stuck > STUCK_TICKS:
+            raise RuntimeError(f"the simulation made no progress for {STUCK_TICKS} ticks at t={t:.1f}s "
+                               f"(readers at {[r.cursor for n in nodes for r in n.readers]}); check the parameters")
     return t
 
 
@@ -170,7 +171,7 @@ def _bins(nodes: list[Node], t0: float, t1: float, width: float) -> dict[str, np
 def _epoch_result(p: Params, epoch: int, t0: float, t1: float, nodes: list[Node]) -> dict[str, Any]:
     k = p.nodes / len(nodes)            # nodes each simulated one stands for
     s = p.scale
-    width = max(1.0, p.dt)
+    width = p.dt * max(1, round(1.0 / p.dt))   # about 1 s, a whole number of ticks (no aliasing)
     b = _bins(nodes, t0, t1, width)
     readers = [r for n in nodes for r in n.readers]
     s3 = sum(n.whole_bytes + n.record_bytes for n in nodes) * k * s
@@ -196,6 +197,7 @@ def _epoch_result(p: Params, epoch: int, t0: float, t1: float, nodes: list[Node]
         "ttfb_max": float(np.max([r.ttfb or 0.0 for r in readers])),
         "stall_mean": float(np.mean([r.stall for r in readers])) * s,
         "stall_max": float(np.max([r.stall for r in readers])) * s,
+        "waited_mean": float(np.mean([r.waited for r in readers])) * s,
         "tier_fraction": hits / (hits + recs) if hits + recs else 0.0,   # read from a whole copy in a tier
         "record_fraction": recs / (hits + recs) if hits + recs else 0.0,
         "evictions": sum(n.evictions for n in nodes),
@@ -237,10 +239,10 @@ def table(runs: list[dict[str, Any]], p: Params) -> str:
                          math.ceil(e["gets_peak"] / p.get_limit) if e["gets_peak"] else 0,
                          f"{e['node_stage_bps_mean'] / GB:.2f} / {e['node_stage_bps_peak'] / GB:.2f}",
                          f"{e['ttfb_mean']:.1f} / {e['ttfb_max']:.1f}", f"{e['stall_mean']:,.0f} / {e['stall_max']:,.0f}",
-                         f"{e['epoch_s']:,.0f}"])
+                         f"{e['waited_mean']:,.0f}", f"{e['epoch_s']:,.0f}"])
     return md_table(["sampler", "mode", "epoch", "S3 TB", "datasets", "by record", "GET/s mean", "GET/s peak",
                      "prefixes needed", "node staging GB/s mean / peak", "first batch s mean / max",
-                     "stall s/GPU mean / max", "epoch s"], rows, left=2)
+                     "stall s/GPU mean / max", "waited in step s/GPU", "epoch s"], rows, left=2)
 
 
 def describe(p: Params) -> str:
@@ -248,8 +250,11 @@ def describe(p: Params) -> str:
             f"{p.shard_bytes / MB:g} MB ({p.samples_per_shard:,.0f} samples of {p.sample_bytes / 1e3:g} KB), tiers "
             f"{p.tier_bytes / TB:g} TB per node, link {p.link_bps / 1e9:g} Gbit/s, {p.gpu_rate:g} samples/s per GPU, "
             f"S3 {'unlimited' if p.prefixes == 0 else f'{p.prefixes} prefix(es) x {p.get_limit:,.0f} GET/s'}, "
-            f"first byte {p.latency * 1e3:g} ms, {p.epochs} epochs; simulated: {len(detail_nodes(p))} node(s), "
-            f"1/{p.scale} of the shards ({p.sim_shards:,}) and tiers, {p.sim_slots} slots per shard, tick {p.dt:g} s")
+            f"first byte {p.latency * 1e3:g} ms, {p.part_bytes / MB:g} MB ranged GETs, "
+            f"{'GPUs in step (DDP)' if p.lockstep else 'ranks at their own pace'}, {p.epochs} epochs"
+            f"{'; WHAT-IF: bypassed shards read whole, not by record' if p.bypass_whole else ''}; simulated: "
+            f"{len(detail_nodes(p))} node(s), 1/{p.scale} of the shards ({p.sim_shards:,}) and tiers, "
+            f"{p.sim_slots} slots per shard, tick {p.dt:.3g} s")
 
 
 def run_scale(a: argparse.Namespace, base: Params) -> tuple[str, dict[str, Any]]:
@@ -456,7 +461,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-node-shards", type=_pos(int), default=2000, help="auto scale: a simulated node part at most this")
     ap.add_argument("--detail", type=_pos(int), default=d.detail, help="nodes simulated")
     ap.add_argument("--dt", type=_pos(float), default=None, help="tick seconds (default: auto)")
-    ap.add_argument("--quick", action="store_true", help="N = 8, 64 at 2 TB, 2 epochs (a smoke test)")
+    ap.add_argument("--bypass-whole", action="store_true",
+                    help="what-if, not what kvdata does: read a bypassed shard as one whole stream into memory "
+                         "(its GETs: compressed / part size) instead of record by record (a GET per sample)")
+    ap.add_argument("--free-ranks", action="store_true",
+                    help="ranks read at their own pace (default: in step, as DDP's per-batch all-reduce makes them)")
+    ap.add_argument("--quick", action="store_true", help="N = 8, 64 at 1 TB (tiers scaled alike), 2 epochs, 2 nodes simulated (a smoke test)")
     ap.add_argument("--calibrate", metavar="FILE.json", help="compare against a measured multi-node run")
     ap.add_argument("--json", metavar="FILE", help="write every number here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -480,7 +490,8 @@ def params_from(a: argparse.Namespace) -> Params:
                   conn_bps=a.conn_mbps * MB, part_bytes=a.part_mb * MB, parts_in_flight=a.parts_in_flight,
                   workers=a.workers, verify_bps=a.verify_gbps * GB, record_gets_per_sample=a.record_gets,
                   lookahead=a.lookahead, window=a.window, exchange=a.exchange, seed=a.seed, epochs=a.epochs,
-                  slots=a.slots, scale=scale, detail=a.detail, dt=a.dt or 0.25)
+                  slots=a.slots, scale=scale, detail=a.detail, dt=a.dt or 0.25, lockstep=not a.free_ranks,
+                  bypass_whole=a.bypass_whole)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -488,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.nodes = [8, 64] if a.nodes == [8, 64, 1000] else a.nodes
-        a.dataset_tb = 2.0 if a.dataset_tb == Params().dataset_bytes / TB else a.dataset_tb
+        a.dataset_tb = 1.0 if a.dataset_tb == Params().dataset_bytes / TB else a.dataset_tb
         a.tier_tb = a.tier_tb * a.dataset_tb / (Params().dataset_bytes / TB) if a.tier_tb == Params().tier_bytes / TB \
             else a.tier_tb
         a.epochs = min(a.epochs, 2)

@@ -194,6 +194,7 @@ BENCHES: list[Bench] = [
           requires=lambda: _torch() or random_order_missing()),
     Bench("daemon", "daemon.py", ["--quick"], [], requires=_daemon_missing, plot="daemon"),
     Bench("shuffle_quality", "shuffle_quality.py", ["--quick"], [], plot="shuffle_quality"),
+    Bench("cluster_sim", "cluster_sim.py", ["--quick", "--quiet"], ["--quiet"]),
     Bench("fuzz", "fuzz.py", ["--quick"], [],
           requires=needs_modules("google.protobuf", "PIL", hint="the Caffe targets; pip install -e '.[test]'")),
 ]
