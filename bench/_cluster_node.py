@@ -219,6 +219,7 @@ class Reader:
         self.stall = 0.0             # seconds this GPU waited for its own data
         self.waited = 0.0            # seconds it waited in step with another GPU that waited (DDP)
         self.ttfb: float | None = None
+        self.stall0 = self.waited0 = 0.0     # stall and waited up to the first batch
         self.finish: float | None = None
         self.hits = 0
         self.records = 0
@@ -414,6 +415,7 @@ class Node:
                 r.engine.dirty = True        # the sampler reports progress: the engine replans
             if r.ttfb is None and r.cursor >= min(self.batch_slots, len(r.ep.shards)):
                 r.ttfb = t - r.t0 + max(0, self.batch_slots - before) / self.rate_slots
+                r.stall0, r.waited0 = r.stall, r.waited    # what it waited for its first batch
             if r.cursor >= len(r.ep.shards):
                 r.done = True
                 r.finish = t - r.t0 + k / self.rate_slots

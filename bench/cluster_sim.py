@@ -15,6 +15,7 @@ tiers; `private`: a tier per rank).
   python bench/cluster_sim.py                           # N = 8, 64, 1000 at D = 100 TB: the README tables
   python bench/cluster_sim.py --quick                   # N = 8, 64 at 1 TB, 2 epochs (a smoke test, ~30 s)
   python bench/cluster_sim.py --nodes 64 --samplers locality --modes daemon --prefixes 0,1
+  python bench/cluster_sim.py --nodes 1000 --part-mib 64 --prefixes 0   # any parameter: what-ifs
   python bench/cluster_sim.py --calibrate run.json      # predicted vs measured (a multi-node run's JSON)
 
 Scaling: nodes are alike (the same rates, their parts drawn alike), so `--detail` of them are
@@ -58,7 +59,7 @@ DEFAULTS = [
     ("first byte 30 ms", "issue 14 (20-50 ms in-region); AWS quotes 100-200 ms for small objects end to end"),
     ("90 MB/s per connection", "an assumption: the single-stream S3 rate commonly measured in-region "
      "(e.g. dvassallo/s3-benchmark); not published by AWS"),
-    ("8 MB ranged GETs, 8 in flight per job, 3 jobs per Engine", "kvdata.tiers.engine.Engine defaults (part_size, "
+    ("8 MiB ranged GETs, 8 in flight per job, 3 jobs per Engine", "kvdata.tiers.engine.Engine defaults (part_size, "
      "parts_in_flight, workers); AWS recommends 8-16 MB byte ranges"),
     ("1 GB/s decompress + sha256 per staging job", "an assumption: one core's sha256 with SHA extensions "
      "(~1.5-2 GB/s) plus zstd of incompressible JPEG payloads"),
@@ -152,15 +153,16 @@ def _run(nodes: list[Node], t: float, dt: float, lockstep: bool) -> float:
     return t
 
 
-def _bins(nodes: list[Node], t0: float, t1: float, width: float) -> dict[str, np.ndarray]:
-    """Per-`width` sums over the nodes' tick logs within [t0, t1)."""
-    nb = max(1, math.ceil((t1 - t0) / width - 1e-9))
+def _bins(nodes: list[Node], t0: float, t1: float, dt: float, per_bin: int) -> dict[str, np.ndarray]:
+    """Sums over the nodes' tick logs within [t0, t1) in bins of `per_bin` ticks (by tick
+    number: times summed tick by tick drift, and a bin of one tick too many reads as a peak)."""
+    nb = max(1, math.ceil(round((t1 - t0) / dt) / per_bin))
     out = {k: np.zeros(nb) for k in ("gets", "s3_bytes", "staged")}
     per_node = []
     for node in nodes:
         a = node.log.arrays()
-        m = (a["t"] >= t0 - 1e-9) & (a["t"] < t1 - 1e-9)
-        idx = np.minimum(((a["t"][m] - t0) / width).astype(np.int64), nb - 1)
+        m = (a["t"] >= t0 - dt / 2) & (a["t"] < t1 - dt / 2)
+        idx = np.minimum(np.rint((a["t"][m] - t0) / dt).astype(np.int64) // per_bin, nb - 1)
         for k in out:
             out[k] += np.bincount(idx, weights=a[k][m], minlength=nb)
         per_node.append(np.bincount(idx, weights=a["staged"][m], minlength=nb))
@@ -171,23 +173,31 @@ def _bins(nodes: list[Node], t0: float, t1: float, width: float) -> dict[str, np
 def _epoch_result(p: Params, epoch: int, t0: float, t1: float, nodes: list[Node]) -> dict[str, Any]:
     k = p.nodes / len(nodes)            # nodes each simulated one stands for
     s = p.scale
-    width = p.dt * max(1, round(1.0 / p.dt))   # about 1 s, a whole number of ticks (no aliasing)
-    b = _bins(nodes, t0, t1, width)
+    per_bin = max(1, round(1.0 / p.dt))        # bins of about 1 s, a whole number of ticks
+    width = p.dt * per_bin
+    b = _bins(nodes, t0, t1, p.dt, per_bin)
     readers = [r for n in nodes for r in n.readers]
+    # with 1/s of the shards simulated, what scales with the dataset is multiplied by s; the
+    # start of an epoch (up to the first batch: the first windows staged) does not scale
+    first = max((r.ttfb or 0.0) for r in readers)
+
+    def scaled(x: float, x0: float) -> float:
+        return x0 + max(0.0, x - x0) * s
     s3 = sum(n.whole_bytes + n.record_bytes for n in nodes) * k * s
     gets = sum(n.gets for n in nodes) * k * s
     sim_s = t1 - t0
+    epoch_s = scaled(sim_s, min(first, sim_s))
     hits = sum(r.hits for r in readers)
     recs = sum(r.records for r in readers)
     return {
         "epoch": epoch,
-        "epoch_s": sim_s * s,
+        "epoch_s": epoch_s,
         "s3_bytes": s3,
         "s3_datasets": s3 / (p.dataset_bytes / p.compression),
         "whole_bytes": sum(n.whole_bytes for n in nodes) * k * s,
         "record_bytes": sum(n.record_bytes for n in nodes) * k * s,
         "s3_gets": gets,
-        "gets_mean": gets / (sim_s * s) if sim_s else 0.0,
+        "gets_mean": gets / epoch_s if epoch_s else 0.0,
         "gets_peak": float(b["gets"].max()) * k / width,
         "s3_bps_peak": float(b["s3_bytes"].max()) * k / width,
         "node_stage_bps_mean": sum(n.whole_bytes for n in nodes) / len(nodes) / sim_s if sim_s else 0.0,
@@ -195,9 +205,9 @@ def _epoch_result(p: Params, epoch: int, t0: float, t1: float, nodes: list[Node]
         "per_node_staged_bytes": [n.whole_bytes * s for n in nodes],
         "ttfb_mean": float(np.mean([r.ttfb or 0.0 for r in readers])),
         "ttfb_max": float(np.max([r.ttfb or 0.0 for r in readers])),
-        "stall_mean": float(np.mean([r.stall for r in readers])) * s,
-        "stall_max": float(np.max([r.stall for r in readers])) * s,
-        "waited_mean": float(np.mean([r.waited for r in readers])) * s,
+        "stall_mean": float(np.mean([scaled(r.stall, r.stall0) for r in readers])),
+        "stall_max": float(np.max([scaled(r.stall, r.stall0) for r in readers])),
+        "waited_mean": float(np.mean([scaled(r.waited, r.waited0) for r in readers])),
         "tier_fraction": hits / (hits + recs) if hits + recs else 0.0,   # read from a whole copy in a tier
         "record_fraction": recs / (hits + recs) if hits + recs else 0.0,
         "evictions": sum(n.evictions for n in nodes),
@@ -224,7 +234,7 @@ def limits(p: Params, runs: list[dict[str, Any]]) -> list[tuple[str, float, str]
         ("node link: peak whole-shard staging / link", peak_node / (p.link_bps / 8),
          f"{peak_node / GB:.2f} GB/s"),
         ("kvdatad staging (3 jobs) / what 8 GPUs read", node_need / stage_cap,
-         f"{stage_cap / GB:.2f} GB/s from {p.workers} jobs x {p.parts_in_flight} x {p.part_bytes / MB:.0f} MB"),
+         f"{stage_cap / GB:.2f} GB/s from {p.workers} jobs x {p.parts_in_flight} x {p.part_bytes / 2**20:g} MiB"),
         ("SSD budget: a node's locality part / its tiers", part / p.tier_bytes,
          f"{part / TB:.2f} TB part, {p.tier_bytes / TB:.2f} TB tiers"),
     ]
@@ -250,7 +260,7 @@ def describe(p: Params) -> str:
             f"{p.shard_bytes / MB:g} MB ({p.samples_per_shard:,.0f} samples of {p.sample_bytes / 1e3:g} KB), tiers "
             f"{p.tier_bytes / TB:g} TB per node, link {p.link_bps / 1e9:g} Gbit/s, {p.gpu_rate:g} samples/s per GPU, "
             f"S3 {'unlimited' if p.prefixes == 0 else f'{p.prefixes} prefix(es) x {p.get_limit:,.0f} GET/s'}, "
-            f"first byte {p.latency * 1e3:g} ms, {p.part_bytes / MB:g} MB ranged GETs, "
+            f"first byte {p.latency * 1e3:g} ms, {p.part_bytes / 2**20:g} MiB ranged GETs, "
             f"{'GPUs in step (DDP)' if p.lockstep else 'ranks at their own pace'}, {p.epochs} epochs"
             f"{'; WHAT-IF: bypassed shards read whole, not by record' if p.bypass_whole else ''}; simulated: "
             f"{len(detail_nodes(p))} node(s), 1/{p.scale} of the shards ({p.sim_shards:,}) and tiers, "
@@ -446,7 +456,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--get-limit", type=_pos(float), default=d.get_limit, help="GET/s per prefix")
     ap.add_argument("--latency-ms", type=_pos(float, strict=False), default=d.latency * 1e3)
     ap.add_argument("--conn-mbps", type=_pos(float), default=d.conn_bps / MB, help="MB/s per connection")
-    ap.add_argument("--part-mb", type=_pos(float), default=d.part_bytes / MB)
+    ap.add_argument("--part-mib", type=_pos(float), default=d.part_bytes / 2**20, help="ranged GET size of staging")
     ap.add_argument("--parts-in-flight", type=_pos(int), default=d.parts_in_flight)
     ap.add_argument("--workers", type=_pos(int), default=d.workers, help="staging jobs per Engine")
     ap.add_argument("--verify-gbps", type=_pos(float), default=d.verify_bps / GB, help="GB/s per staging job")
@@ -487,7 +497,7 @@ def params_from(a: argparse.Namespace) -> Params:
                   sample_bytes=a.sample_kb * 1e3, compression=a.compression, tier_bytes=a.tier_tb * TB,
                   link_bps=a.link_gbps * 1e9, gpu_rate=a.gpu_rate, read_rate=a.read_rate, batch_size=a.batch_size,
                   num_workers=a.num_workers, get_limit=a.get_limit, latency=a.latency_ms / 1e3,
-                  conn_bps=a.conn_mbps * MB, part_bytes=a.part_mb * MB, parts_in_flight=a.parts_in_flight,
+                  conn_bps=a.conn_mbps * MB, part_bytes=a.part_mib * 2**20, parts_in_flight=a.parts_in_flight,
                   workers=a.workers, verify_bps=a.verify_gbps * GB, record_gets_per_sample=a.record_gets,
                   lookahead=a.lookahead, window=a.window, exchange=a.exchange, seed=a.seed, epochs=a.epochs,
                   slots=a.slots, scale=scale, detail=a.detail, dt=a.dt or 0.25, lockstep=not a.free_ranks,

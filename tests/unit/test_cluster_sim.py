@@ -265,3 +265,13 @@ def test_a_bad_measured_file_is_one_line_naming_the_key(tmp_path: Path, mangle, 
     f.write_text("{not json")
     with pytest.raises(SystemExit, match="cannot read it as JSON"):
         sim.main(["--calibrate", str(f), "--quiet"])
+
+
+def test_simulating_part_of_the_shards_scales_back() -> None:
+    # 1/2 of the shards and of the tiers: the same traffic per dataset, about the same epoch time
+    p = small(dataset_bytes=192 * 16e6, tier_bytes=0.2 * 192 * 16e6, epochs=2)
+    whole = sim.simulate(p, "locality", "daemon")["epochs"]
+    half = sim.simulate(replace(p, scale=2), "locality", "daemon")["epochs"]
+    for a, b in zip(whole, half):
+        assert b["s3_bytes"] == pytest.approx(a["s3_bytes"], rel=0.1)
+        assert b["epoch_s"] == pytest.approx(a["epoch_s"], rel=0.1)
