@@ -258,7 +258,8 @@ def table(runs: list[dict[str, Any]], p: Params) -> str:
 def describe(p: Params) -> str:
     return (f"{p.nodes} nodes x {p.gpus} GPUs, {p.dataset_bytes / TB:g} TB in {p.shards_total:,} shards of "
             f"{p.shard_bytes / MB:g} MB ({p.samples_per_shard:,.0f} samples of {p.sample_bytes / 1e3:g} KB), tiers "
-            f"{p.tier_bytes / TB:g} TB per node, link {p.link_bps / 1e9:g} Gbit/s, {p.gpu_rate:g} samples/s per GPU, "
+            f"{p.tier_bytes / TB:g} TB per node, link {p.link_bps / 1e9:g} Gbit/s, "
+            f"{f'{p.gpu_rate:g} samples/s per GPU' if p.gpu_rate else f'GPUs as fast as the data comes (<= {p.read_rate:g}/s)'}, "
             f"S3 {'unlimited' if p.prefixes == 0 else f'{p.prefixes} prefix(es) x {p.get_limit:,.0f} GET/s'}, "
             f"first byte {p.latency * 1e3:g} ms, {p.part_bytes / 2**20:g} MiB ranged GETs, "
             f"{'GPUs in step (DDP)' if p.lockstep else 'ranks at their own pace'}, {p.epochs} epochs"
@@ -330,6 +331,12 @@ def load_measured(path: Path) -> dict[str, Any]:
     _num(f"{path}", "params.exchange", pr["exchange"])
     if pr["exchange"] > 1:
         raise CalibrationError(f"{path}: params.exchange is {pr['exchange']}; it must be in [0, 1]")
+    if "zst_dataset_bytes" in pr:
+        _num(f"{path}", "params.zst_dataset_bytes", pr["zst_dataset_bytes"], 1)
+    if "gpu_samples_per_s" in pr:
+        _num(f"{path}", "params.gpu_samples_per_s", pr["gpu_samples_per_s"])
+    if "daemon" in pr and not isinstance(pr["daemon"], bool):
+        raise CalibrationError(f"{path}: params.daemon is {pr['daemon']!r}; it must be true or false")
     if not data["runs"]:
         raise CalibrationError(f"{path}: runs is empty; nothing to compare")
     for i, r in enumerate(data["runs"]):
@@ -353,7 +360,11 @@ def calibration_params(data: dict[str, Any], base: Params) -> Params:
     shards = int(pr["shards"])
     per_shard = pr["samples"] / shards
     shard_bytes = pr["dataset_bytes"] / shards
-    extra = {"compression": pr["dataset_bytes"] / pr["zst_dataset_bytes"]} if pr.get("zst_dataset_bytes") else {}
+    extra: dict[str, Any] = {}
+    if "zst_dataset_bytes" in pr:
+        extra["compression"] = pr["dataset_bytes"] / pr["zst_dataset_bytes"]
+    if "gpu_samples_per_s" in pr:       # 0: the ranks only read (no compute): as fast as the data comes
+        extra["gpu_rate"] = float(pr["gpu_samples_per_s"])
     p = replace(base, nodes=int(pr["nodes"]), gpus=int(pr["ranks_per_node"]), dataset_bytes=float(pr["dataset_bytes"]),
                 shard_bytes=shard_bytes, sample_bytes=shard_bytes / per_shard, tier_bytes=float(pr["tier_budget_bytes"]),
                 link_bps=float(pr["link_rate_bps"]), latency=float(pr["rtt_ms"]) / 1e3, epochs=int(pr["epochs"]),
@@ -383,7 +394,7 @@ def compare(data: dict[str, Any], sims: dict[str, dict[str, Any]]) -> tuple[list
 
 def run_calibration(a: argparse.Namespace, base: Params) -> tuple[str, dict[str, Any], bool]:
     data = load_measured(Path(a.calibrate))
-    p = calibration_params(data, base)
+    p = replace(calibration_params(data, base), prefixes=a.prefixes[0])   # default 0: a test S3 server does not throttle
     if a.dt is None:
         p = replace(p, dt=auto_dt(p))
     mode = a.modes[0] if "daemon" not in data["params"] else ("daemon" if data["params"]["daemon"] else "shared")
@@ -476,7 +487,8 @@ def parser() -> argparse.ArgumentParser:
                          "(its GETs: compressed / part size) instead of record by record (a GET per sample)")
     ap.add_argument("--free-ranks", action="store_true",
                     help="ranks read at their own pace (default: in step, as DDP's per-batch all-reduce makes them)")
-    ap.add_argument("--quick", action="store_true", help="N = 8, 64 at 1 TB (tiers scaled alike), 2 epochs, 2 nodes simulated (a smoke test)")
+    ap.add_argument("--quick", action="store_true",
+                    help="N = 8, 64 at 1 TB (tiers scaled alike), 2 epochs, 2 nodes simulated (a smoke test)")
     ap.add_argument("--calibrate", metavar="FILE.json", help="compare against a measured multi-node run")
     ap.add_argument("--json", metavar="FILE", help="write every number here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")

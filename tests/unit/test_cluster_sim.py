@@ -249,6 +249,8 @@ def test_calibration_compares_and_judges(tmp_path: Path) -> None:
     (lambda d: d["runs"][0].update(epoch=9), "runs[0].epoch is 9"),
     (lambda d: d["runs"][0].update(epoch_seconds="fast"), "runs[0]: epoch_seconds is 'fast'"),
     (lambda d: d.pop("runs"), "needs an object with 'params'"),
+    (lambda d: d["params"].update(daemon="yes"), "params.daemon is 'yes'"),
+    (lambda d: d["params"].update(zst_dataset_bytes=-5), "params.zst_dataset_bytes is -5"),
 ])
 def test_a_bad_measured_file_is_one_line_naming_the_key(tmp_path: Path, mangle, message) -> None:
     good = {"params": {"nodes": 2, "ranks_per_node": 1, "samples": 64, "sample_bytes": 1e6, "shard_bytes": 16e6,
