@@ -317,6 +317,7 @@ class Node:
         for e in self.engines:
             e.dirty = True
         self.whole_bytes = self.record_bytes = self.gets = 0.0
+        self.evictions = self.private_copies = 0
 
     def _keep(self, tier: Tier) -> None:
         """policy.keep_for_next_pass over the orders announced into the tier (Engine.keep_set)."""
