@@ -210,6 +210,7 @@ BENCHES: list[Bench] = [
     Bench("multinode", "multinode.py", ["--quick"], [], requires=lambda: _daemon_missing() or multinode_missing()),
     Bench("shuffle_quality", "shuffle_quality.py", ["--quick"], [], plot="shuffle_quality"),
     Bench("locality_churn", "locality_churn.py", ["--quick"], []),
+    Bench("cluster_sim", "cluster_sim.py", ["--quick", "--quiet"], ["--quiet"]),
     Bench("fuzz", "fuzz.py", ["--quick"], [],
           requires=needs_modules("google.protobuf", "PIL", hint="the Caffe targets; pip install -e '.[test]'")),
 ]
