@@ -302,11 +302,12 @@ class Node:
 
     # ------------------------------------------------------------ epochs
 
-    def start_epoch(self, t0: float, this: list[RankEpoch], following: list[RankEpoch]) -> None:
-        """Every rank announces this epoch's shards then the next epoch's (ShardShuffleSampler)."""
+    def start_epoch(self, t0: float, this: list[RankEpoch], following: list[np.ndarray]) -> None:
+        """Every rank announces this epoch's shards then its plan of the next epoch's
+        (ShardShuffleSampler; _cluster_plan.announced_next)."""
         for r, ep, nxt in zip(self.readers, this, following):
             r.ep = ep
-            r.announced = tuple(ep.seq.tolist() + nxt.seq.tolist())
+            r.announced = tuple(ep.seq.tolist() + nxt.tolist())
             r._demand = None
             r.cursor, r.carry, r.done = 0, 0.0, len(ep.shards) == 0
             r.private.clear()

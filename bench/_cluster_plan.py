@@ -15,7 +15,9 @@ samples_per_shard / slots real samples. Nothing here re-implements an order:
 - `epoch_rows`: each rank's slots in read order = `ShardShuffleSampler(...).indices(epoch)` of
   the virtual dataset: `order.epoch_order` + `order.rank_share` (global), `order.locality_shares`
   (locality=True) -- the calls the sampler makes, with its arguments;
-- `RankEpoch.seq`: the shard sequence the sampler announces (`order.first_use_order`);
+- `RankEpoch.seq`: the shard sequence the sampler announces for the epoch it reads
+  (`order.first_use_order`); `announced_next`: what it announces for the following epoch
+  (`order.planned_shard_sequence` for the global order, the next epoch's `seq` for locality);
 - `RankEpoch.position`: the progress it reports at a position of its iterator, as
   `ShardShuffleSampler._announce` computes it (running maximum of the first-use rank, less the
   window's lag). tests/unit/test_cluster_sim.py checks rows, sequences and positions against a
@@ -71,6 +73,15 @@ def epoch_rows(layout: Layout, groups: order.ShardGroups, sampler: str, epoch: i
         return {r: shares[r] for r in ranks}
     full = order.epoch_order(groups, layout.seed, epoch, layout.window)
     return {r: order.rank_share(full, r, layout.world, False) for r in ranks}
+
+
+def announced_next(layout: Layout, groups: order.ShardGroups, sampler: str, epoch: int, rank: int,
+                   following: RankEpoch) -> np.ndarray:
+    """The next epoch's part of what ShardShuffleSampler announces in `epoch` (`_planned_next`):
+    the plan from the shard permutation for the global order, the exact sequence for locality."""
+    if sampler == "locality":
+        return following.seq
+    return order.planned_shard_sequence(groups, layout.seed, epoch + 1, layout.window, rank, layout.world, False)
 
 
 @dataclass

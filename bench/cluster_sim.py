@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cluster_node import MODES, Node, Params  # noqa: E402
-from _cluster_plan import SAMPLERS, Layout, RankEpoch, epoch_rows  # noqa: E402
+from _cluster_plan import SAMPLERS, Layout, RankEpoch, announced_next, epoch_rows  # noqa: E402
 from _common import machine_info, machine_line, md_table, write_json  # noqa: E402
 
 TB, GB, MB = 1e12, 1e9, 1e6
@@ -122,7 +122,8 @@ def simulate(p: Params, sampler: str, mode: str, show: bool = False) -> dict[str
         eps[e + 1] = epochs_of(e + 1)
         this, nxt = eps.pop(e), eps[e + 1]
         for n in detail:
-            nodes[n].start_epoch(t, [this[r] for r in ranks[n]], [nxt[r] for r in ranks[n]])
+            nodes[n].start_epoch(t, [this[r] for r in ranks[n]],
+                                 [announced_next(layout, groups, sampler, e, r, nxt[r]) for r in ranks[n]])
         end = _run(group, t, p.dt, p.lockstep)
         out.append(_epoch_result(p, e, t, end, group))
         if show:
