@@ -29,7 +29,7 @@ from .. import format as fmt
 from .._util.fsutil import fsync_dir, fsync_file, unlink_quiet
 from ..errors import CorruptDatasetError, MissingShardError
 from ..format import ShardEntry, ZstCopy, names
-from ..format.codec import compress_file, file_sha256, zst_copy
+from ..format.codec import compress_file, file_sha256, mapped_file_sha256, zst_copy
 
 MAX_READERS = 1024
 _PAGE = 4096
@@ -365,7 +365,7 @@ class Hasher:
 
     def _run(self) -> None:
         try:
-            self._out = file_sha256(self.path)
+            self._out = mapped_file_sha256(self.path)
         except BaseException as e:  # handed to the committer
             self._err = e
 

@@ -137,3 +137,13 @@ def test_the_records_crc32_is_zlibs() -> None:
         seed = rng.getrandbits(32)
         assert crc32(data) == zlib.crc32(data) and crc32(data, seed) == zlib.crc32(data, seed)
         assert crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
+
+
+@pytest.mark.parametrize("size", [0, 1, 4 << 20, (4 << 20) + 7, 9 << 20])
+def test_mapped_sha256_is_the_file_sha256(tmp_path, size: int) -> None:
+    """The sealing writer hashes its own shard from a map (no read() copies): same digest."""
+    from kvdata.format.codec import file_sha256, mapped_file_sha256
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(np.random.default_rng(size).bytes(size))
+    assert mapped_file_sha256(p) == file_sha256(p)
