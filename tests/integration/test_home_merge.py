@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import struct
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.cli import Cli
+from helpers.forked import run_forked
 from helpers.parts import CLASSES, records, same, write_part
 from helpers.servers import S3Server, write_toml
 
@@ -319,37 +317,7 @@ KILLS = 4
 def _fork_merge(parts: list[str], dest: str, delay: float | None) -> float | None:
     """Merge in a forked child; with `delay`, SIGKILL it that long after it starts merging,
     else return how long the merge took."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.write(w, b"g")
-            t = time.perf_counter()
-            merge_at_home(parts, dest, progress=False)
-            os.write(w, struct.pack("<d", time.perf_counter() - t))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    try:
-        assert os.read(r, 1) == b"g"
-        if delay is None:
-            took = struct.unpack("<d", os.read(r, 8))[0]
-            assert os.waitpid(pid, 0)[1] == 0
-            pid = 0
-            return float(took)
-        time.sleep(delay)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pid = 0
-        return None
-    finally:
-        os.close(r)
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    return run_forked(lambda: merge_at_home(parts, dest, progress=False), delay)
 
 
 @pytest.mark.timeout(180)
