@@ -195,6 +195,35 @@ def test_samples_are_read_record_by_record_and_match(kind: str, env: Env, tmp_pa
     assert staged_copies(cfg) == []   # nothing was staged whole
 
 
+def test_a_seek_table_is_fetched_once_and_kept_in_the_index_mirror(env: Env, tmp_path: Path,
+                                                                   record_mode: None) -> None:
+    """The seek table of a shard read by record is kept in the dataset's index mirror, named by
+    its sha256: another process (a DataLoader worker of the next epoch) reads it there instead of
+    asking the home again; a kept table that does not match its name is not used, but fetched."""
+    url = env.publish("s3")
+    shard = env.entries[1]
+    idx = env.shard_samples(1)[:2]
+    want = [env.ref[i] for i in idx]
+    st, cfg = open_remote(url, tmp_path)
+    with st:
+        counted = Counted(st.home)
+        assert [as_tuple(v) for v in st.get_many(idx)] == want
+        first = counted.requests
+        kept = st.root / names.SEEK_DIR / names.seek_table_name(shard.zst.seek_sha256)
+    assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]
+    for tampered in (False, True):
+        if tampered:
+            blob = bytearray(kept.read_bytes())
+            blob[-1] ^= 1
+            kept.write_bytes(bytes(blob))
+        again = open_dataset(url, config=cfg, use_daemon=False)  # a new process's view: no table in memory
+        with again:
+            counted = Counted(again.home)
+            assert [as_tuple(v) for v in again.get_many(idx)] == want
+            assert counted.requests == (first if tampered else first - 1), (tampered, counted.requests, first)
+    assert hashlib.sha256(kept.read_bytes()).hexdigest() == shard.zst.seek_sha256  # put right by the fetch
+
+
 def test_a_tampered_frame_is_refused_and_other_samples_still_read(env: Env, tmp_path: Path, record_mode: None) -> None:
     url = env.publish("s3")
     shard = 2
