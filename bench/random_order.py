@@ -28,6 +28,7 @@ readers: the server's own rate for whole sample objects and for ranged GETs insi
 
   python bench/random_order.py --quick
   python bench/random_order.py --json bench/out/random_order.json     # 1,200 samples, ~180 MB
+  python bench/random_order.py --home s3rver --no-before              # a second S3 server (npm install -g s3rver)
 """
 from __future__ import annotations
 
