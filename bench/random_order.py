@@ -28,6 +28,7 @@ readers: the server's own rate for whole sample objects and for ranged GETs insi
 
   python bench/random_order.py --quick
   python bench/random_order.py --json bench/out/random_order.json     # 1,200 samples, ~180 MB
+  python bench/random_order.py --home s3rver --no-before              # a second S3 server (npm install -g s3rver)
 """
 from __future__ import annotations
 
@@ -63,11 +64,15 @@ from _common import (  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-NETLAB_SH = REPO.parent / "shared" / "netlab" / "netlab.sh"
+# ../shared/netlab from the main checkout, ../../shared/netlab from a worktree under wt/
+NETLAB_SH = next((p for p in (REPO.parent / "shared" / "netlab" / "netlab.sh",
+                              REPO.parent.parent / "shared" / "netlab" / "netlab.sh") if p.exists()),
+                 REPO.parent / "shared" / "netlab" / "netlab.sh")
 NETLAB_IP = "10.200.0.2"
 VETH = "nlab0"                           # the root-namespace end of the netlab veth pair
-DELAYED = f"http://{NETLAB_IP}:15000"    # S3 with RTT + rate limit
+DELAYED = f"http://{NETLAB_IP}:15000"    # S3 with RTT + rate limit (--home s3rver: s3rver's delayed port)
 DIRECT = f"http://{NETLAB_IP}:8081"      # S3 with rate limit only (used to prepare the home)
+S3RVER_PORT, S3RVER_DELAYED_PORT = 4568, 14568  # --home s3rver: s3rver in the namespace, and its delay proxy
 NGINX_URL = f"http://{NETLAB_IP}:18080"  # nginx static files with RTT + rate limit (--home http)
 BUCKET = "kvrandom"
 
@@ -85,7 +90,7 @@ def netlab(cmd: str, *args: str, sh: Path) -> str:
 
 def s3_env(endpoint: str) -> None:
     os.environ["AWS_ENDPOINT_URL"] = endpoint
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")  # s3rver: S3RVER (main sets it; moto takes any)
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     os.environ.setdefault("KVDATA_S3_ADDRESSING", "path")
@@ -198,12 +203,19 @@ class TierSampler:
     def mapped_deleted(self) -> int:
         """Sizes of unlinked files under root that a process of this tree still maps (each once)."""
         seen: dict[tuple[int, int], int] = {}
+        root = self.root.encode()
         for p in self._pids():
             try:
-                lines = Path(f"/proc/{p}/maps").read_text().splitlines()
+                with open(f"/proc/{p}/maps", "rb") as f:
+                    text = f.read()
             except OSError:
                 continue
-            for line in lines:
+            # (a torch process maps thousands of regions: skip its maps at C speed when nothing of
+            # the tier is there unlinked -- this thread runs beside the reader it measures)
+            if b"(deleted)" not in text or root not in text:
+                continue
+            for raw in text.splitlines():
+                line = raw.decode(errors="replace")
                 if not line.endswith("(deleted)") or self.root not in line:
                     continue
                 parts = line.split()
@@ -315,6 +327,62 @@ class HttpGetDataset:
 def www_dir() -> Path:
     """nginx's document root in the netlab (served at NGINX_URL)."""
     return Path(os.environ.get("NETLAB_DIR") or Path(os.environ.get("TMPDIR") or "/tmp") / "netlab") / "www"
+
+
+class S3rver:
+    """--home s3rver: a second S3-protocol server (s3rver, `npm install -g s3rver`) inside the
+    netlab namespace, behind its own instance of the netlab's delay proxy (same RTT; the
+    namespace's tbf applies as to everything there). s3rver keeps each object as a file and
+    answers a ranged GET by reading that range of it (fs.createReadStream with start/end),
+    where moto reads the whole object for every ranged GET. Started after `netlab.sh up`,
+    stopped (by pid) before `netlab.sh down`. It accepts only its own credentials (S3RVER)."""
+
+    NS = "netlab"
+
+    def __init__(self, data: Path, rtt_ms: float, sh: Path) -> None:
+        self.data, self.rtt_ms, self.proxy = data, rtt_ms, sh.parent / "delayproxy.py"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @staticmethod
+    def available() -> str | None:
+        """Why s3rver cannot run here, or None."""
+        return None if shutil.which("s3rver") else "s3rver not found (npm install -g s3rver)"
+
+    def _spawn(self, argv: list[str], log: Path) -> None:
+        with open(log, "wb") as f:
+            self.procs.append(subprocess.Popen(["ip", "netns", "exec", self.NS, *argv], stdin=subprocess.DEVNULL,
+                                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def start(self) -> None:
+        shutil.rmtree(self.data, ignore_errors=True)
+        self.data.mkdir(parents=True)
+        self._spawn([shutil.which("s3rver") or "s3rver", "-d", str(self.data / "objects"), "-a", "0.0.0.0",
+                     "-p", str(S3RVER_PORT), "--silent"], self.data / "s3rver.log")
+        self._spawn([os.environ.get("NETLAB_PY", sys.executable), str(self.proxy), "--rtt-ms", f"{self.rtt_ms:g}",
+                     f"{NETLAB_IP}:{S3RVER_DELAYED_PORT}=127.0.0.1:{S3RVER_PORT}"], self.data / "proxy.log")
+        import socket
+        for port in (S3RVER_PORT, S3RVER_DELAYED_PORT):
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    socket.create_connection((NETLAB_IP, port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                        self.stop()
+                        raise RuntimeError(f"s3rver lab: port {port} did not open; see {self.data}/*.log") from None
+                    time.sleep(0.1)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 15)  # its own session (start_new_session): ip netns exec and the server
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        self.procs = []
 
 
 # ====================================================================== the epochs
@@ -575,6 +643,8 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
                          f"{home:.2f}", payload, gets, tier, vs_c])
     text = [f"### random order over a network home ({machine_line(res['machine'])})", "",
             (f"netlab S3 server (moto behind nginx, {DELAYED})" if getattr(a, "home", "s3") == "s3" else
+             f"s3rver in the netlab namespace behind its own delay proxy ({DELAYED}; objects as files, a ranged GET "
+             "reads just its range; no GET count: its log has no method)" if a.home == "s3rver" else
              f"netlab nginx static files ({NGINX_URL}; the dataset pushed into its root, (c)'s samples one file "
              "each beside it; no GET count: its access log is off)")
             + f", rate {a.rate}, RTT {a.rtt_ms:g} ms; {n} samples of "
@@ -633,6 +703,7 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    global SHAPE, IMG, COUNT_GETS, DELAYED, DIRECT  # set from the options (every function reads them)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="300 samples (smoke test)")
@@ -653,9 +724,11 @@ def main() -> None:
     p.add_argument("--only", default="a,ad,as,asd,b,c",
                    help="which of a, ad (a through kvdatad), as / asd (a / ad with ShardShuffleSampler), b, c to run")
     p.add_argument("--no-daemon", action="store_true", help="skip (a) through kvdatad")
-    p.add_argument("--home", choices=["s3", "http"], default="s3",
-                   help="the home: the S3 server (moto), or nginx's static files (a ranged GET costs it what a "
-                        "whole-file GET does, as on S3); http skips (b) and the server calibration")
+    p.add_argument("--home", choices=["s3", "http", "s3rver"], default="s3",
+                   help="the home: the netlab's S3 server (moto), nginx's static files (a ranged GET costs it what "
+                        "a whole-file GET does, as on S3; skips (b) and the server calibration), or s3rver, a second "
+                        "S3-protocol server started in the netlab behind its own delay proxy (ranged GETs read just "
+                        "the range from its file; needs `npm install -g s3rver`)")
     p.add_argument("--netlab-sh", default=str(NETLAB_SH))
     p.add_argument("--dir", type=Path, help="work directory (default: a temp dir, removed)")
     p.add_argument("--json", type=Path)
@@ -665,11 +738,10 @@ def main() -> None:
     p.add_argument("--tier-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.record_bytes:  # every function here reads the sample shape from these two names
-        global SHAPE, IMG
         SHAPE, IMG = (a.record_bytes,), a.record_bytes
 
     if a.reader:  # (b): run the kvdata reader with whatever kvdata PYTHONPATH gives
-        s3_env(DELAYED)
+        s3_env(os.environ.get("AWS_ENDPOINT_URL") or DELAYED)  # the parent's home (moto or s3rver)
         res = kvdata_reader(a.reader, Path(a.tier_dir), a.epochs, a.batch_size, a.workers, a.seed)
         write_json(a.json, res)
         return
@@ -689,9 +761,15 @@ def main() -> None:
         a.skipped["b"] = "--no-before"
     if a.no_daemon:
         only -= {"ad", "asd"}
-    if a.home == "http":
-        global COUNT_GETS
+    lab: S3rver | None = None
+    if a.home in ("http", "s3rver"):  # neither logs its requests here (s3rver's log has no method): no GET count
         COUNT_GETS = False
+    if a.home == "s3rver":
+        why = S3rver.available()
+        if why is not None:
+            raise SystemExit(f"--home s3rver: {why}")
+        DELAYED, DIRECT = f"http://{NETLAB_IP}:{S3RVER_DELAYED_PORT}", f"http://{NETLAB_IP}:{S3RVER_PORT}"
+        os.environ["AWS_ACCESS_KEY_ID"] = os.environ["AWS_SECRET_ACCESS_KEY"] = "S3RVER"  # the only ones it takes
     if a.home == "http" and "b" in only:
         only.discard("b")
         a.skipped["b"] = "--home http (the comparison before issue 12 is made on S3)"
@@ -711,6 +789,9 @@ def main() -> None:
         log(f"dataset: {a.samples} samples, {ds_bytes / MB:.1f} MB; budget {budget / MB:.1f} MB")
 
         print(netlab("up", "--rtt-ms", f"{a.rtt_ms:g}", "--rate", a.rate, sh=sh), file=sys.stderr)
+        if a.home == "s3rver":
+            lab = S3rver(work / "s3rver", a.rtt_ms, sh)
+            lab.start()
         s3_env(DIRECT)
         import boto3
         boto3.session.Session().client("s3", endpoint_url=DIRECT).create_bucket(Bucket=BUCKET)
@@ -731,11 +812,11 @@ def main() -> None:
         elif only & {"a", "ad", "as", "asd"}:
             out["push_s"] = prepare(src, url, a.samples, DIRECT)
             log(f"pushed in {out['push_s']:.1f}s")
-        if "c" in only and a.home == "s3":
+        if "c" in only and a.home != "http":
             put_samples(src, f"s3://{BUCKET}/samples", a.samples)
             log("samples put as objects")
         s3_env(DELAYED)
-        if "c" in only and only & {"a", "ad"} and a.home == "s3":
+        if "c" in only and only & {"a", "ad"} and a.home != "http":
             try:
                 out["server"] = server_rates(url, f"s3://{BUCKET}/samples", a.samples, a.threads, a.seed)
                 log(f"server: {out['server']}")
@@ -760,7 +841,7 @@ def main() -> None:
                 elif k in ("ad", "asd"):
                     out["runs"][k] = run_daemon(a, url, work, budget, shard_aware=k == "asd")
                 elif k == "c":
-                    ds = (GetDataset(f"s3://{BUCKET}/samples", a.samples, a.threads) if a.home == "s3"
+                    ds = (GetDataset(f"s3://{BUCKET}/samples", a.samples, a.threads) if a.home != "http"
                           else HttpGetDataset(f"{NGINX_URL}/samples", a.samples, a.threads))
                     eps = run_epochs(ds, a.epochs, a.batch_size, a.workers, a.seed, None, None)
                     for ep in eps:
@@ -772,6 +853,8 @@ def main() -> None:
                 log(f"({k}) failed: {type(e).__name__}: {e}")
                 out["runs"][k] = {"error": f"{type(e).__name__}: {e}"}
     finally:
+        if lab is not None:
+            lab.stop()
         try:
             print(netlab("down", sh=sh), file=sys.stderr)
         except Exception as e:  # noqa: BLE001

@@ -23,7 +23,9 @@ Beside the manifest, two kinds of files serve compaction (kvdata.store.compact):
 flock on it while they may open its files), and ``compact-iKKKKKKKK.json`` is the journal
 of a compaction to incarnation K (what it replaces, so recovery can finish or undo it).
 
-A tier directory holds staged copies named by content: ``<sha256>.mdb``.
+A tier directory holds staged copies named by content: ``<sha256>.mdb``. The index mirror of a
+remote dataset keeps the seek tables of its cold copies, fetched once and shared by every
+process reading it, named by content too: ``seek/<sha256>.seek``.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ LOCK = ".lock"
 SHARDS_DIR = "shards"
 INDEX_DIR = "index"
 SOURCE = "source.json"  # an index mirror's note of the URL it mirrors
+SEEK_DIR = "seek"        # an index mirror's cached seek tables (kvdata.tiers.records)
 
 _SHARD = re.compile(r"([0-9]{6,9})(?:-i([0-9]{8,10}))?\.mdb")
 _TAIL = re.compile(r"tail-([0-9]{6,9})(?:-i([0-9]{8,10}))?\.mdb")
 _ZST = re.compile(r"([0-9]{6,9})(?:-i([0-9]{8,10}))?\.mdb\.zst")
 _INDEX = re.compile(r"(samples|records|keys)-([0-9]{8,10})(?:-([0-9]{2,3}))?\.bin")
 _STAGED = re.compile(r"([0-9a-f]{64})\.mdb")
+_SEEK = re.compile(r"([0-9a-f]{64})\.seek")
 _PIN = re.compile(r"readers-i([0-9]{8,10})\.lock")
 _JOURNAL = re.compile(r"compact-i([0-9]{8,10})\.json")
 
@@ -100,6 +104,13 @@ def staged_name(sha256: str) -> str:
     return f"{sha256}.mdb"
 
 
+def seek_table_name(sha256: str) -> str:
+    """A cold copy's seek table cached in an index mirror: named by the table's sha256."""
+    if not is_sha256(sha256):
+        raise ValueError(f"not a sha256 hex digest: {sha256!r}")
+    return f"{sha256}.seek"
+
+
 def temp_name(final: str, tag: str) -> str:
     """A hidden temp name beside `final` (never matched by the parsers below)."""
     return f".{final}.{tag}.tmp"
@@ -147,6 +158,12 @@ def index_generation(name: object) -> int | None:
 def parse_staged_name(name: object) -> str | None:
     """The sha256 a tier file is named by, or None if it is not a staged copy."""
     m = _STAGED.fullmatch(name) if isinstance(name, str) else None
+    return m.group(1) if m else None
+
+
+def parse_seek_table_name(name: object) -> str | None:
+    """The sha256 a cached seek table's name gives, or None."""
+    m = _SEEK.fullmatch(name) if isinstance(name, str) else None
     return m.group(1) if m else None
 
 

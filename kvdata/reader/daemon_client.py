@@ -23,7 +23,7 @@ from ..errors import DaemonError, DaemonUnavailable, KVDataError
 from ..format import ShardEntry, names
 from ..protocol import MAX_FDS, Client, close_fds, flag_set
 from ..store.shards import OpenedCopy
-from ..tiers.engine import Engine
+from ..tiers.engine import KEEP_TTL, Engine
 from ..tiers.homes import Home, is_url
 from ..tiers.mirror import mirror_from_fds
 
@@ -36,6 +36,10 @@ MAX_OPEN = 8              # staged shards a reader keeps mapped through the daem
 KEEP_COPIES = 0
 AHEAD = 16                # shard files passed ahead of a reader (the daemon's prefetch lookahead)
 MODE_INTERVAL = 1.0       # seconds a dataset's read mode (shard-aware / random + resident set) is trusted
+# ... and the `whole` bits of a shard-aware dataset larger than the tiers: the keep set changes as the
+# pass goes (kvdata.tiers.engine.Engine.keep_set), and a reader a second behind it read shards by record
+# that the daemon then staged whole, or asked whole for shards it no longer keeps (private copies)
+WHOLE_INTERVAL = KEEP_TTL
 RETRY_CODES = ("StaleManifest", "NotAllowed")  # answered by opening the dataset again, once
 
 
@@ -167,9 +171,12 @@ class _ReadMode:
 class DaemonStager:
     """The ShardSource (and engine interface: announce/progress/status) served by kvdatad."""
 
-    def __init__(self, client: Client | None, location: str, home: Home, config: Config) -> None:
+    def __init__(self, client: Client | None, location: str, home: Home, config: Config,
+                 tables: Path | None = None) -> None:
+        """tables: where seek tables of the home's cold copies are kept (kvdata.tiers.records)."""
         self.client, self.location, self.config = client, location, config
         self._home = home
+        self._tables = tables
         self.max_open = MAX_OPEN
         self._fallback: Engine | None = None
         self._pid = os.getpid()
@@ -319,10 +326,11 @@ class DaemonStager:
         daemon reports), are read whole; the rest record by record. While the daemon's tiers
         are congested (a shard a reader needed found no room lately), only shards with a copy
         are read whole; a shard-aware dataset larger than the tiers is read whole only where
-        the daemon says (`whole`: Engine.bypassed). Asked at most every MODE_INTERVAL seconds (an empty `want`); without
-        the daemon, the fallback engine decides."""
+        the daemon says (`whole`: Engine.bypassed). Asked at most every MODE_INTERVAL seconds (an empty
+        `want`; WHOLE_INTERVAL while it sends `whole`); without the daemon, the fallback engine decides."""
         now = time.monotonic()
-        if self._mode is None or now - self._mode.when >= MODE_INTERVAL:
+        mode = self._mode
+        if mode is None or now - mode.when >= (WHOLE_INTERVAL if mode.whole is not None else MODE_INTERVAL):
             reply = self._call("want", shards=[]) if self.client is not None else None
             if reply is None or not isinstance(reply.get("mode"), str):
                 if self.client is None and self._fallback is not None:
@@ -369,7 +377,7 @@ class DaemonStager:
         does; None for a shard of a local home (read in place) or a copy without a seek table."""
         from ..tiers.records import reader_for
 
-        return reader_for(self._home).read_many(requests)
+        return reader_for(self._home, tables=self._tables).read_many(requests)
 
     def mapped(self, entry: ShardEntry) -> None:
         if self._fallback is not None:

@@ -67,7 +67,8 @@ def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_siz
         shards = probe.manifest.shards
         probe.close()
         eng.check_budgets(list(shards))
-        source = EngineSource(eng, home, shards, own_engine=own_engine)
+        source = EngineSource(eng, home, shards, own_engine=own_engine,
+                              tables=root / names.SEEK_DIR if is_url(loc) else None)
     except BaseException:
         if own_engine:
             eng.close()
@@ -88,7 +89,7 @@ def _open_through_daemon(loc: str, cfg: Config, copy_threads: int | None) -> Sto
         client.close()
         return None
     home = open_home(location)
-    stager = DaemonStager(client, location, home, cfg)
+    stager = DaemonStager(client, location, home, cfg, tables=root / names.SEEK_DIR if is_url(location) else None)
     try:
         store = Store(root, "r", copy_threads=copy_threads, source=stager)
         if cfg.tiers:  # (the daemon's tiers, as far as this process's config knows them)

@@ -312,8 +312,19 @@ class Reader:
 
     def _touch(self, shard_ids: list[int]) -> None:
         """Mark shards as just used, and unmap the least recently used beyond max_open
-        (their memory stays valid for views already handed out; only the lock is dropped)."""
+        (their memory stays valid for views already handed out; only the lock is dropped).
+
+        The old maps go *before* this batch's cold shards are located: a mapped copy holds a
+        reader lock, so staging a cold shard would otherwise find the tier full of copies the
+        last batch read and this one does not (measured: at each window of a ShardShuffleSampler
+        the new window's shards evicted kept ones, or became private copies, in every worker)."""
         shards = self.gen.shards
+        if self.max_open is not None:
+            limit = max(self.max_open, len(shard_ids))
+            wanted = {shards[s].sha256 for s in shard_ids}
+            cold_n = sum(1 for s in shard_ids if self._handles[s] is None)
+            for sha in [sha for sha in self._sealed if sha not in wanted][:max(0, len(self._sealed) + cold_n - limit)]:
+                self._unmap(sha)
         cold = [shards[s] for s in shard_ids if self._handles[s] is None]
         if len(cold) > 1 and self.source is not None:
             self.source.need(cold)
@@ -321,12 +332,13 @@ class Reader:
             if self._handles[s] is None:
                 self._handle(s)
             self._sealed.move_to_end(shards[s].sha256)
-        while self.max_open is not None and len(self._sealed) > max(self.max_open, len(shard_ids)):
-            sha, old = self._sealed.popitem(last=False)
-            sid = self._sealed_ids.pop(sha, None)
-            if sid is not None and sid < len(self._handles):
-                self._handles[sid] = None
-            old.close()
+
+    def _unmap(self, sha: str) -> None:
+        old = self._sealed.pop(sha)
+        sid = self._sealed_ids.pop(sha, None)
+        if sid is not None and sid < len(self._handles):
+            self._handles[sid] = None
+        old.close()
 
     def _plan(self, layout_bytes: bytes) -> fmt.Plan:
         """Decoding plan of a layout, cached: records of equal shapes share one."""

@@ -53,11 +53,11 @@ from .claims import ORDER_PREFIX_SHARDS, ReadModes
 from .fetch import Fetcher
 from .homes import Home
 from .orders import SharedOrders
-from .tier import EVICT_GRACE, PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
+from .tier import PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
 
-NEED_WAIT = EVICT_GRACE + 1.0  # how long a shard a reader needs now waits for room that is about to free up
+NEED_WAIT = 3.0  # how long a shard a reader needs now waits for room that is about to free up (copies in flight)
 ROOM_POLL = 0.05
-KEEP_HEADROOM = 2  # shards of the tiers left out of the keep set: staging room while readers map copies
+KEEP_READING = 8  # shards past a reader's position it may be reading by record (a window of ShardShuffleSampler)
 KEEP_TTL = 0.25  # seconds the set of shards worth a whole copy (policy.keep_for_next_pass) is trusted
 CONGESTED_SECONDS = 10.0  # after no tier had room for a needed shard, unstaged shards are read by record this long
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -122,7 +122,6 @@ class Engine:
         self.stats = Counters()
         self._stats_lock = threading.Lock()
         self._pinned: dict[str, float] = {}  # sha -> until when: just staged for a waiting reader
-        self._own: set[str] = set()  # copies this engine staged: its pins cover them, no grace needed
         self._closed = False
         self._abort = threading.Event()
         self._fetcher = Fetcher(self._parts, part_size, parts_in_flight, self._abort,
@@ -133,6 +132,7 @@ class Engine:
         self.modes = ReadModes(lambda: self.tiers)  # who reads which dataset how (shard-aware, random)
         self._congested_until = 0.0  # see CONGESTED_SECONDS
         self._keep_cache: tuple[float, set[str] | None, frozenset[str]] = (0.0, None, frozenset())
+        self._admitted: tuple[int, set[str] | None] = (0, None)  # (the orders' hash, the keep set last given for them)
         self._orders = SharedOrders()  # announced orders published in the tiers, ours and other processes'
 
     # ------------------------------------------------------------ budgets and lookup
@@ -303,14 +303,24 @@ class Engine:
                 break
         keep, announced = None, frozenset()
         if demands:
+            announced = frozenset(s for d in demands for s in d.sequence)
             shard = sum(sizes.values()) // len(sizes) if sizes else 0
             kept = 0
+            resident: dict[str, int] = {}
+            held: set[str] = set()
             for t in tiers:  # random-order datasets' resident sets are not ours to plan with
-                resident = t.resident()
-                kept += sum(resident.get(s, 0) for s in self.modes.protected(t, resident))
-            room = sum(t.room() for t in tiers) - kept - KEEP_HEADROOM * shard  # room to stage while readers map
-            keep = policy.keep_for_next_pass(demands, sizes, room, shard)
-            announced = frozenset(s for d in demands for s in d.sequence)
+                here = t.resident()
+                protected = self.modes.protected(t, here)
+                kept += sum(here.get(s, 0) for s in protected)
+                here = {s: n for s, n in here.items() if s not in protected}
+                resident.update(here)
+                held |= t.held([s for s in here if s in announced])  # copies readers map: their room is not free yet
+            room = sum(t.room() for t in tiers) - kept
+            basis = hash(frozenset(d.sequence for d in demands))  # the same orders: readers went by the last set
+            admitted = self._admitted[1] if self._admitted[0] == basis else None
+            keep = policy.keep_for_next_pass(demands, {**resident, **sizes}, room, shard, resident=resident, held=held,
+                                             reading=KEEP_READING, admitted=admitted)
+            self._admitted = (basis, keep)
         self._keep_cache = (now + KEEP_TTL, keep, announced)
         return keep, announced
 
@@ -353,10 +363,6 @@ class Engine:
         self.count("private_copies", 1)
         self._fetched(entry)
         return OpenedCopy(fd, f"{home.where(f'shards/{entry.name}')} (a private copy in memory: no tier had room)")
-
-    def _grace(self, sha: str) -> float:
-        """Copies another process staged get a short grace (its reader may be about to map them)."""
-        return 0.0 if sha in self._own else EVICT_GRACE
 
     def count(self, name: str, amount: float) -> None:
         """Counters are bumped from several staging threads: `+=` on them is not atomic."""
@@ -452,8 +458,6 @@ class Engine:
         self.count("shards_staged", 1)
         self.count("bytes_staged", size)
         self._fetched(entry)
-        with self._lock:
-            self._own.add(sha)
         return dest
 
     def _copy_verified(self, home: Home, entry: ShardEntry, target: Tier | None, out: BinaryIO) -> None:
@@ -484,8 +488,8 @@ class Engine:
     def _evict_until_fits(self, tier: Tier, incoming: int, demands: list[policy.Demand],
                           pinned: set[str]) -> tuple[bool, bool]:
         """Evict in policy order until `incoming` more bytes fit the budget, counting copies
-        and temp files; (whether they fit, whether room may free up soon: a copy kept only by
-        its grace, or a temp file of a copy in flight).
+        and temp files; (whether they fit, whether room may free up soon: a temp file of a
+        copy in flight).
 
         Walks the whole candidate list: a victim a reader holds is skipped, the next one tried."""
         resident = tier.resident()
@@ -494,15 +498,16 @@ class Engine:
         room = tier.room()  # (the budget less the datasets' indexes kept in this tier)
         soon = bool(temps)
         keep = pinned | self.modes.protected(tier, resident)  # random-order datasets' resident sets stay
+        if used + incoming > room:
+            # the shards kept for the next pass stay: the keep set is planned to fit beside the copies
+            # still in use, so whatever comes in (a keep shard, a prefetch) has room without them
+            keep |= (self.keep_set()[0] or set()) & resident.keys()
         for victim in policy.eviction_order(resident, demands, in_use=keep):
             if used + incoming <= room:
                 break
-            why = tier.evict_one(victim, grace=self._grace(victim))
-            if why == "gone":
+            if tier.evict_one(victim) == "gone":
                 self.count("evictions", 1)
                 used -= resident[victim]
-            elif why == "recent":
-                soon = True
         return used + incoming <= room, soon
 
     # ------------------------------------------------------------ order-aware prefetch

@@ -56,7 +56,21 @@ def mirror(home: Home, root: Path) -> Path:
     (local / names.SHARDS_DIR).mkdir(exist_ok=True)
     (local / names.SOURCE).write_text(json.dumps({"url": home.url}))
     atomic_write(local / names.MANIFEST, data)
+    _drop_old_tables(local / names.SEEK_DIR, {e.zst.seek_sha256 for e in m.shards if e.zst is not None})
     return local
+
+
+def _drop_old_tables(tables: Path, wanted: set[str | None]) -> None:
+    """Seek tables (kvdata.tiers.records) of shards the mirrored generation no longer has: only
+    files named as such go (a reader still on the old generation fetches its table again)."""
+    try:
+        names_there = os.listdir(tables)
+    except OSError:
+        return
+    for n in names_there:
+        sha = names.parse_seek_table_name(n)
+        if sha is not None and sha not in wanted:
+            unlink_quiet(tables / n)
 
 
 def fetch_exact(home: Home, name: str, size: int, sha: str | None, dest: Path) -> None:

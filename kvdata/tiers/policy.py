@@ -11,7 +11,7 @@ serves the in-process engine, the daemon, and bench/staging.py's replay.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 INF = float("inf")
@@ -99,7 +99,9 @@ def next_pass_start(sequence: Sequence[str]) -> int:
 
 
 def keep_for_next_pass(demands: Iterable[Demand], sizes: Mapping[str, int], room: int,
-                       default_size: int = 0) -> set[str] | None:
+                       default_size: int = 0, resident: Collection[str] | None = None,
+                       held: Collection[str] = (), reading: int = 0,
+                       admitted: Collection[str] | None = None) -> set[str] | None:
     """The shards worth a whole copy in tiers of `room` bytes: those the readers' next passes
     read first, up to the room (Belady with bypass). None when every shard of the announced
     passes fits, or when no order has a next pass: then every shard is staged whole.
@@ -107,22 +109,57 @@ def keep_for_next_pass(demands: Iterable[Demand], sizes: Mapping[str, int], room
     When the data is larger than the tiers, a shard staged whole only to be read once this
     pass takes the place of one the next pass reads first, and costs a fetch then. Read by
     record instead, it costs the same bytes now and nothing later: home traffic per pass is
-    then 1 - room/data, the optimum, whatever window and prefetch the readers work with."""
+    then 1 - room/data, the optimum, whatever window and prefetch the readers work with.
+
+    With `resident` (the shards the tiers hold now) the set is the one for this moment of
+    the pass, not only for its end:
+
+    - the room that copies still in use take is not the next pass's: a resident shard this
+      pass still reads (at or after a reader's position), or one a reader maps (`held`), keeps
+      its place until it is done, so the keep set gets the room less theirs -- it grows as
+      they are read. Without this, the shards the next pass reads first, met while two
+      windows of this pass are mapped (two DataLoader workers a window apart), evicted what
+      this pass was about to read, or found no room and were fetched whole into private copies;
+    - a shard that cannot be kept any more -- not resident, and this pass read it already
+      (read by record when its turn came) -- is left out, so the next one in the next pass's
+      order takes its place instead of the set keeping a hole (Belady's choice: what is
+      needed soonest among what can still be had). So is one within `reading` shards of a
+      reader's position -- which it may be reading now -- unless it was in the set the readers
+      had before (`admitted`; None: none was given for these orders, which only a reader at
+      position 0 can still take as "nothing read yet"): read by record so far, then staged
+      whole, it would cost its bytes twice (a window of ShardShuffleSampler is read together,
+      and the position it announces trails the furthest shard it reached by a window)."""
     firsts: dict[str, int] = {}
     every: set[str] = set()
+    this_pass: set[str] = set()
+    ahead: set[str] = set()
+    unread: set[str] = set()  # not reached by a reader yet: can still be staged whole before it is read
+    fresh: set[str] = set()   # ahead of a reader that has not moved since it announced its order
     for d in demands:
         seq = d.sequence
         every.update(seq)
         start = next_pass_start(seq)
+        this_pass.update(seq[:start])
+        ahead.update(seq[min(d.position, start):start])
+        unread.update(seq[min(d.position + reading, start):start])
+        if d.position == 0:
+            fresh.update(seq[:start])
         for rank, key in enumerate(seq[start:]):
             if rank < firsts.get(key, 1 << 62):
                 firsts[key] = rank
     if not firsts or sum(sizes.get(k, default_size) for k in every) <= room:
         return None
+    busy: set[str] = set()
+    if resident is not None:
+        busy = {k for k in resident if k in ahead or k in held}
+        room -= sum(sizes.get(k, default_size) for k in busy)
     keep: set[str] = set()
     used = 0
     for key in sorted(firsts, key=lambda k: (firsts[k], k)):
-        size = sizes.get(key, default_size)
+        if resident is not None and key not in resident and key not in unread and key in this_pass \
+                and not (key in ahead and (key in admitted if admitted is not None else key in fresh)):
+            continue  # read (or being read by record) this pass, and no copy: not without a second fetch
+        size = 0 if key in busy else sizes.get(key, default_size)  # (a busy copy's room is counted)
         if used + size > room:
             break
         keep.add(key)

@@ -11,6 +11,11 @@ returned, and nothing is kept but tables.
 
 Local (and NFS) homes are read in place by the reader, and old single-frame copies (no seek
 table) are staged whole: `read` answers None for both.
+
+A table fetched once is also kept in the dataset's index mirror (`tables`, named by its sha256
+and checked against it whenever it is read back): DataLoader workers are new processes every
+epoch, and without it each fetched the table of every shard it read by record again -- a GET
+and a round trip more for each shard, about 7% of a warm epoch's requests at 151 KB samples.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import zstandard
 
+from .._util.fsutil import atomic_write, read_regular
 from ..errors import ChecksumMismatchError, CorruptDatasetError, RemoteError
 from ..format import ShardEntry, frames, names
 from ..format.codec import CHUNK
@@ -54,9 +61,11 @@ class _Plan:
 class RecordReader:
     """Reads records of one home's shards from their framed cold copies."""
 
-    def __init__(self, home: Home, on_home_bytes: Callable[[int], None] | None = None) -> None:
+    def __init__(self, home: Home, on_home_bytes: Callable[[int], None] | None = None,
+                 tables: Path | None = None) -> None:
         self.home = home
         self.on_home_bytes = on_home_bytes
+        self.tables = tables  # where fetched seek tables are kept for other processes (an index mirror's)
         self._lock = threading.Lock()
         self._tables: OrderedDict[tuple[str, str], frames.SeekTable] = OrderedDict()
         self._loading: dict[tuple[str, str], Future[frames.SeekTable]] = {}
@@ -125,12 +134,31 @@ class RecordReader:
         if not frames.MIN_TABLE <= z.seek_bytes <= z.bytes:
             raise CorruptDatasetError(f"{where}: the manifest gives a seek table of {z.seek_bytes} bytes in a "
                                       f"{z.bytes}-byte copy; push the dataset again")
-        blob = self._fetch(name, z.bytes - z.seek_bytes, z.seek_bytes)
-        if hashlib.sha256(blob).hexdigest() != z.seek_sha256:
+        kept = self._kept_table(z.seek_sha256, z.seek_bytes)
+        blob = kept if kept is not None else self._fetch(name, z.bytes - z.seek_bytes, z.seek_bytes)
+        if kept is None and hashlib.sha256(blob).hexdigest() != z.seek_sha256:
             raise ChecksumMismatchError(f"{where}: the seek table of shard {entry.name} does not match the sha256 "
                                         "the manifest gives; it was not used. Restore the home copy (kvdata push)")
-        return frames.decode_seek_table(blob, zst_bytes=z.bytes, shard_bytes=entry.bytes, records=entry.records,
-                                        where=where)
+        t = frames.decode_seek_table(blob, zst_bytes=z.bytes, shard_bytes=entry.bytes, records=entry.records,
+                                     where=where)
+        if kept is None and self.tables is not None:
+            try:  # best effort: the next process reads it here instead of from the home
+                self.tables.mkdir(exist_ok=True)
+                atomic_write(self.tables / names.seek_table_name(z.seek_sha256), blob)
+            except OSError:
+                pass
+        return t
+
+    def _kept_table(self, sha: str, size: int) -> bytes | None:
+        """A seek table another process kept (`tables`), if it is there and still is what its
+        name says; else None (fetch it)."""
+        if self.tables is None:
+            return None
+        try:
+            blob = read_regular(self.tables / names.seek_table_name(sha), size)
+        except OSError:
+            return None
+        return blob if len(blob) == size and hashlib.sha256(blob).hexdigest() == sha else None
 
     # ------------------------------------------------------------ records
 
@@ -332,11 +360,15 @@ def _new_readers_lock() -> None:
 os.register_at_fork(after_in_child=_new_readers_lock)
 
 
-def reader_for(home: Home, on_home_bytes: Callable[[int], None] | None = None) -> RecordReader:
+def reader_for(home: Home, on_home_bytes: Callable[[int], None] | None = None,
+               tables: Path | None = None) -> RecordReader:
     """The RecordReader of a home (one per Home object, kept on it, so its seek tables are
-    shared by every source reading that home in this process and go with it)."""
+    shared by every source reading that home in this process and go with it); `tables`: the
+    directory of the dataset's index mirror where seek tables are kept across processes."""
     with _READERS_LOCK:
         r = home.record_reader
         if not isinstance(r, RecordReader):
-            r = home.record_reader = RecordReader(home, on_home_bytes=on_home_bytes)
+            r = home.record_reader = RecordReader(home, on_home_bytes=on_home_bytes, tables=tables)
+        elif r.tables is None:
+            r.tables = tables
         return r

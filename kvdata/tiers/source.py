@@ -31,10 +31,13 @@ def max_open_within(budget: int, shards: Sequence[ShardEntry], cap: int) -> int:
 class EngineSource:
     """Shards of one dataset through an in-process Engine (owned, or shared by the caller)."""
 
-    def __init__(self, engine: Engine, home: Home, shards: Sequence[ShardEntry], *, own_engine: bool) -> None:
+    def __init__(self, engine: Engine, home: Home, shards: Sequence[ShardEntry], *, own_engine: bool,
+                 tables: Path | None = None) -> None:
+        """tables: where seek tables of the home's cold copies are kept (kvdata.tiers.records)."""
         self.engine = engine
         self._home = home
         self._own = own_engine
+        self._tables = tables
         self.max_open = max_open_for(engine, shards)
 
     @property
@@ -60,7 +63,7 @@ class EngineSource:
         from .records import reader_for
 
         engine = self.engine
-        return reader_for(self._home, lambda n: engine.count("bytes_from_home", n)).read_many(requests)
+        return reader_for(self._home, lambda n: engine.count("bytes_from_home", n), self._tables).read_many(requests)
 
     def need(self, entries: Sequence[ShardEntry]) -> None:
         self.engine.start_many(self._home, list(entries))

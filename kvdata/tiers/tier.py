@@ -69,7 +69,6 @@ from ..format import names
 PIN_SECONDS = 5.0
 METADATA_DIR = "datasets"  # kvdata.tiers.mirror.cache_root puts remote datasets' indexes here
 METADATA_TTL = 2.0
-EVICT_GRACE = 2.0
 TRUST_RECHECK = 30.0  # seconds a directory's trust verdict is kept (only its owner, us or root, can change it)
 PROTECTED_HARDLINKS = Path("/proc/sys/fs/protected_hardlinks")
 

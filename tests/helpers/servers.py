@@ -162,9 +162,16 @@ def running_s3_server(state: Path) -> Iterator[S3Server]:
 class NginxHome:
     base: str         # http://127.0.0.1:PORT
     www: Path         # its document root
+    log: Path | None = None  # its access log: one "<bytes sent> <uri>" line per request
 
     def url(self, name: str) -> str:
         return f"{self.base}/{name}"
+
+    def bytes_sent(self) -> int:
+        """Every byte nginx has sent so far (responses with their headers), from its access log."""
+        if self.log is None or not self.log.exists():
+            return 0
+        return sum(int(line.split(None, 1)[0]) for line in self.log.read_text().splitlines() if line)
 
 
 def find_nginx() -> str | None:
@@ -185,7 +192,8 @@ pid {root}/nginx.pid;
 error_log {root}/error.log warn;
 events {{ worker_connections 256; }}
 http {{
-  access_log off;
+  log_format sent "$bytes_sent $request_uri";
+  access_log {root}/access.log sent;
   sendfile on; tcp_nodelay on;
   keepalive_timeout 60s;
   client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
@@ -219,7 +227,7 @@ def running_nginx(root: Path) -> Iterator[NginxHome]:
     # -e: the error log before the config is read (else nginx tries /var/log/nginx as any user)
     proc = _start([exe, "-e", str(root / "error.log"), "-c", str(conf), "-p", str(root)], log, port)
     try:
-        yield NginxHome(f"http://127.0.0.1:{port}", www)
+        yield NginxHome(f"http://127.0.0.1:{port}", www, root / "access.log")
     finally:
         stop(proc, signal.SIGQUIT if proc.poll() is None else signal.SIGTERM)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from kvdata.format import dump_manifest, frames, names, parse_manifest
 from kvdata.format.codec import compress_file, zst_copy
 from kvdata.reader.daemon_client import DaemonStager
 from kvdata.reader.open import open_dataset
+from kvdata.tiers.engine import KEEP_TTL
 from kvdata.tiers.homes import open_home
 from kvdata.tiers.tier import Tier
 
@@ -191,6 +193,35 @@ def test_samples_are_read_record_by_record_and_match(kind: str, env: Env, tmp_pa
         assert isinstance(st._reader.get_many([5], copy=True)[0]["image"], np.ndarray)
         assert st.engine.status()["bytes_from_home"] >= fetched
     assert staged_copies(cfg) == []   # nothing was staged whole
+
+
+def test_a_seek_table_is_fetched_once_and_kept_in_the_index_mirror(env: Env, tmp_path: Path,
+                                                                   record_mode: None) -> None:
+    """The seek table of a shard read by record is kept in the dataset's index mirror, named by
+    its sha256: another process (a DataLoader worker of the next epoch) reads it there instead of
+    asking the home again; a kept table that does not match its name is not used, but fetched."""
+    url = env.publish("s3")
+    shard = env.entries[1]
+    idx = env.shard_samples(1)[:2]
+    want = [env.ref[i] for i in idx]
+    st, cfg = open_remote(url, tmp_path)
+    with st:
+        counted = Counted(st.home)
+        assert [as_tuple(v) for v in st.get_many(idx)] == want
+        first = counted.requests
+        kept = st.root / names.SEEK_DIR / names.seek_table_name(shard.zst.seek_sha256)
+    assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]
+    for tampered in (False, True):
+        if tampered:
+            blob = bytearray(kept.read_bytes())
+            blob[-1] ^= 1
+            kept.write_bytes(bytes(blob))
+        again = open_dataset(url, config=cfg, use_daemon=False)  # a new process's view: no table in memory
+        with again:
+            counted = Counted(again.home)
+            assert [as_tuple(v) for v in again.get_many(idx)] == want
+            assert counted.requests == (first if tampered else first - 1), (tampered, counted.requests, first)
+    assert hashlib.sha256(kept.read_bytes()).hexdigest() == shard.zst.seek_sha256  # put right by the fetch
 
 
 def test_a_tampered_frame_is_refused_and_other_samples_still_read(env: Env, tmp_path: Path, record_mode: None) -> None:
@@ -431,13 +462,13 @@ def test_kvdatad_tells_its_readers_when_its_tier_is_congested(env: Env, kit: Kit
         assert isinstance(source, DaemonStager) and source.client is not None
         source.announce("r0", [held, second, third], 0)  # shard-aware
 
-        def read(e: Any) -> None:
-            idx = env.shard_samples(e.id)
+        def read(*es: Any) -> None:
+            idx = [i for e in es for i in env.shard_samples(e.id)]
             assert [as_tuple(v) for v in s.get_many(idx)] == [env.ref[i] for i in idx]
 
         read(held)  # staged, and mapped by this reader
         assert all(source.wants_whole(e) for e in (held, second, third))
-        read(second)  # no room beside the held copy: a private copy, and the daemon says so
+        read(held, second)  # a batch of both: no room beside the held copy: a private copy, and the daemon says so
         assert d.status()["private_copies"] == 1
         assert source.wants_whole(held) and not source.wants_whole(third)
         read(third)  # record by record
@@ -451,18 +482,14 @@ def test_a_shard_aware_order_larger_than_the_tier_keeps_what_the_next_epoch_read
                                                                                           tmp_path: Path) -> None:
     """ShardShuffleSampler's announcement (this epoch's shards, then the next epoch's) over a
     dataset larger than the tier: only the shards the next epoch reads first get whole copies
-    (policy.keep_for_next_pass); the others are read record by record and never staged. A warm
-    epoch then fetches about 1 - room/data from the home, and its first shards are hits."""
-    from kvdata.tiers.engine import KEEP_HEADROOM
-    from kvdata.tiers.policy import keep_for_next_pass
-
+    (policy.keep_for_next_pass, with the room the copies this epoch still reads take); the others
+    are read record by record and never staged. A warm epoch then fetches about 1 - room/data
+    from the home, and its first shards are hits."""
     url = env.publish("http")
     entries = env.entries
     size = max(e.bytes for e in entries)
     total = sum(e.bytes for e in entries)
-    avg = total // len(entries)
-    budget = 4 * size + size // 2  # room for two shards kept beside the engine's staging headroom
-    room = budget - KEEP_HEADROOM * avg
+    budget = 4 * size + size // 2
     assert total > budget
     cfg = tiers_config(tmp_path / "tiers", ("ssd", budget))
     st = open_dataset(url, config=cfg, use_daemon=False)
@@ -474,20 +501,26 @@ def test_a_shard_aware_order_larger_than_the_tier_keeps_what_the_next_epoch_read
             seq = order[epoch] + order[epoch + 1]
             st.source.announce("r0", seq, 0)
             keep = eng.keep_set()[0]
-            assert keep == keep_for_next_pass([policy_demand(seq)], {e.sha256: e.bytes for e in entries}, room, avg)
             assert keep is not None and 1 <= len(keep) < len(entries)
             assert keep == {e.sha256 for e in order[epoch + 1][:len(keep)]}  # what the next epoch reads first
             before = eng.status()["bytes_from_home"]
             hits = eng.status()["hits"]
+            staged: set[str] = set()
             for i, e in enumerate(order[epoch]):
                 st.source.progress("r0", i)
                 idx = env.shard_samples(e.id)
                 assert [as_tuple(v) for v in st.get_many(idx)] == [env.ref[j] for j in idx]
+                staged |= set(Tier(cfg.tiers[0]).resident())
+                assert Tier(cfg.tiers[0]).used() <= budget
             fetched = eng.status()["bytes_from_home"] - before
+            time.sleep(KEEP_TTL)  # (the keep set is recomputed at most this often)
+            keep = eng.keep_set()[0]
+            assert keep is not None
             resident = set(Tier(cfg.tiers[0]).resident())
             # what this epoch's next one reads first, and what the previous epoch kept for this one (it
             # stays until its room is needed); never a shard read once this epoch
-            assert resident <= keep | prev_keep, "a shard read once this epoch was staged whole"
+            assert staged <= keep | prev_keep, "a shard read once this epoch was staged whole"
+            assert resident & keep == keep, "a shard kept for the next epoch was lost"
             if epoch == 1:  # warm: what the previous epoch kept is read from the tier
                 kept = sum(e.bytes for e in entries if e.sha256 in prev_keep)
                 assert eng.status()["hits"] > hits

@@ -664,7 +664,7 @@ def test_a_tier_full_of_held_copies_sends_reads_record_by_record(homes: Homes, t
         rng_held = sample_range(src, held.id)
         assert records(st, rng_held) == [src.ref[i] for i in rng_held]  # staged, and mapped by the reader
         assert all(st.source.wants_whole(e) for e in (held, second, third))
-        rng2 = sample_range(src, second.id)
+        rng2 = list(rng_held) + list(sample_range(src, second.id))  # a batch of both: the held copy stays mapped
         assert records(st, rng2) == [src.ref[i] for i in rng2]  # no room beside the held copy: a private copy
         assert eng.status()["private_copies"] == 1
         assert st.source.wants_whole(held) and not st.source.wants_whole(third)

@@ -264,3 +264,72 @@ def test_keep_for_next_pass_fits_the_room_and_is_a_prefix_of_the_next_pass(first
     else:
         assert keep is not None and len(keep) * 10 <= room < (len(keep) + 1) * 10
         assert keep == set(seq[12:12 + len(keep)])
+
+
+def test_keep_for_next_pass_leaves_the_room_of_copies_still_in_use() -> None:
+    """A resident shard this pass still reads, or one a reader maps, keeps its place until it
+    is done: the keep set gets the rest, and grows as they are read."""
+    from kvdata.tiers.policy import keep_for_next_pass
+
+    seq = tuple("abcdefgh") + tuple("hgfedcba")
+    sizes = {k: 10 for k in "abcdefgh"}
+    # a and b (kept for this pass) are still to be read: 10 of the 30 are left for the next pass
+    assert keep_for_next_pass([Demand(seq, 0)], sizes, 30, resident={"a", "b"}) == {"h"}
+    # read: their room is the next pass's
+    assert keep_for_next_pass([Demand(seq, 2)], sizes, 30, resident={"a", "b"}) == {"h", "g", "f"}
+    # ... unless a reader still maps one of them
+    assert keep_for_next_pass([Demand(seq, 2)], sizes, 30, resident={"a", "b"}, held={"a"}) == {"h", "g"}
+    # a copy in use that the next pass wants early is kept at no extra room (h: its room is counted)
+    assert keep_for_next_pass([Demand(seq, 6)], sizes, 30, resident={"h", "f"}) == {"h", "g", "f"}
+    # nothing resident: the same set as planning from scratch
+    assert keep_for_next_pass([Demand(seq, 0)], sizes, 30, resident=set()) == {"h", "g", "f"}
+
+
+def test_keep_for_next_pass_replaces_shards_it_can_no_longer_keep() -> None:
+    """A shard this pass read already without keeping a copy is left out, and the next one in
+    the next pass's order takes its place; so is one a reader may be reading now (`reading`)."""
+    from kvdata.tiers.policy import keep_for_next_pass
+
+    seq = tuple("abcdefgh") * 2
+    sizes = {k: 10 for k in "abcdefgh"}
+    assert keep_for_next_pass([Demand(seq, 3)], sizes, 30) == {"a", "b", "c"}  # without residency: a fixed prefix
+    # a was kept; b and c were read by record: d and e take their places
+    assert keep_for_next_pass([Demand(seq, 3)], sizes, 30, resident={"a"}) == {"a", "d", "e"}
+    # the reader may be reading d and e by record now: f and g instead
+    assert keep_for_next_pass([Demand(seq, 3)], sizes, 30, resident={"a"}, reading=2) == {"a", "f", "g"}
+    # ... unless the readers were told to stage them whole before they got there
+    assert keep_for_next_pass([Demand(seq, 3)], sizes, 30, resident={"a"}, reading=2, admitted={"d"}) == {"a", "d", "f"}
+    # a reader that has not moved yet has read nothing: its first shards are candidates
+    assert keep_for_next_pass([Demand(seq, 0)], sizes, 30, resident=set(), reading=2) == {"a", "b", "c"}
+    assert keep_for_next_pass([Demand(seq, 0)], sizes, 30, resident=set(), reading=2, admitted={"a"}) == {"a", "c", "d"}
+    # a resident copy stays a candidate wherever the reader is
+    assert keep_for_next_pass([Demand(seq, 7)], sizes, 30, resident={"a", "b"}, reading=2) == {"a", "b"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.permutations(list(range(10))), st.permutations(list(range(10))), st.integers(0, 10),
+       st.sets(st.integers(0, 9)), st.sets(st.integers(0, 9)), st.integers(0, 3), st.integers(0, 95))
+def test_keep_for_next_pass_fits_beside_the_copies_in_use(first: list[int], second: list[int], position: int,
+                                                          resident_ids: set[int], held_ids: set[int], reading: int,
+                                                          room: int) -> None:
+    """Whatever is resident and held: the keep set and the copies still in use fit the room
+    together, and every shard in it not resident can still be staged before this pass reads it
+    (or nothing was read yet: a reader at position 0 that nobody gave a set before)."""
+    from kvdata.tiers.policy import keep_for_next_pass
+
+    seq = tuple(f"s{i}" for i in first + second)
+    sizes = {f"s{i}": 10 for i in range(10)}
+    resident = {f"s{i}" for i in resident_ids}
+    held = {f"s{i}" for i in held_ids} & resident
+    keep = keep_for_next_pass([Demand(seq, position)], sizes, room, resident=resident, held=held, reading=reading)
+    assert keep is not None
+    busy = {k for k in resident if k in seq[position:10] or k in held}
+    assert 10 * len(keep | busy) <= max(room, 10 * len(busy))
+    for k in keep - resident:
+        assert seq.index(k) >= position + reading or position == 0, (k, position)
+    # a set given before: only what it admitted may still be staged within `reading` of the position
+    again = keep_for_next_pass([Demand(seq, position)], sizes, room, resident=resident, held=held, reading=reading,
+                               admitted=set())
+    assert again is not None
+    for k in again - resident:
+        assert seq.index(k) >= position + reading, (k, position)
