@@ -5,8 +5,9 @@ What to stage, what to evict and what to read by record is decided by the real
 kvdata.tiers.policy, called as kvdata.tiers.engine.Engine calls it (nothing of the policy is
 re-implemented here):
 
-- at every announce (an epoch start): `policy.keep_for_next_pass(demands, sizes, room -
-  KEEP_HEADROOM shards, shard)` -- the shards worth a whole copy; an announced shard outside
+- at every announce (an epoch start): `policy.keep_for_next_pass(demands, sizes, room, shard)`
+  -- the shards worth a whole copy (the engine also passes what is resident and held while a
+  pass runs; not modelled yet: the set is taken at the epoch start); an announced shard outside
   that set is *bypassed*: read record by record from S3, never staged (Engine.keep_set/_bypass);
 - every tick in which a reader moved or a copy landed: `policy.plan_tier(budget, sizes,
   resident, demands, in_use=held, lookahead=policy.prefetch_depth(...))`, and the engine's own
@@ -55,7 +56,6 @@ import numpy as np
 from _cluster_plan import RankEpoch
 
 from kvdata.tiers import policy
-from kvdata.tiers.engine import KEEP_HEADROOM
 from kvdata.tiers.records import IN_FLIGHT
 from kvdata.tiers.source import MAX_OPEN, max_open_within
 
@@ -324,7 +324,7 @@ class Node:
         """policy.keep_for_next_pass over the orders announced into the tier (Engine.keep_set)."""
         p = self.p
         demands = tier.demands()
-        room = int(tier.budget - KEEP_HEADROOM * p.shard_bytes)
+        room = int(tier.budget)
         keep = policy.keep_for_next_pass(demands, self.sizes, room, int(p.shard_bytes))
         tier.bypass[:] = False
         if keep is not None:

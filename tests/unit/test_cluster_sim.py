@@ -20,7 +20,6 @@ import pytest
 
 from kvdata.reader.sampler import ShardShuffleSampler
 from kvdata.tiers import policy
-from kvdata.tiers.engine import KEEP_HEADROOM
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -178,7 +177,7 @@ def test_the_keep_set_is_policys() -> None:
     n.start_epoch(0.0, [plan.RankEpoch.of(layout, rows0[r]) for r in (0, 1)],
                   [plan.RankEpoch.of(layout, rows1[r]).seq for r in (0, 1)])
     demands = [policy.Demand(r.announced, 0) for r in n.readers]
-    keep = policy.keep_for_next_pass(demands, n.sizes, int(p.tier_bytes - KEEP_HEADROOM * p.shard_bytes),
+    keep = policy.keep_for_next_pass(demands, n.sizes, int(p.tier_bytes),
                                      int(p.shard_bytes))
     assert keep is not None
     announced = {s for d in demands for s in d.sequence}
