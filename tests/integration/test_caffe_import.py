@@ -343,6 +343,7 @@ def test_cli_import_caffe(tmp_path: Path) -> None:
     assert p.returncode == 0 and p.stderr == "", p.stderr
     summary = json.loads(p.stdout)
     assert summary["imported"] == 4 and summary["classes"] == 4 and summary["dataset"] == "ds"
+    assert summary["writers"] == 1  # every importer's --json has the folder importer's keys (docs/CLI.md)
     got_keys, values, labels = contents(tmp_path / "ds")
     assert got_keys == keys and labels == [0, 1, 2, 5]
     np.testing.assert_array_equal(values[3]["image"], pixels(7))

@@ -79,6 +79,7 @@ def test_wds_round_trips_record_for_record(tmp_path, wds_shards, cli):
     src, expected = wds_shards
     out = cli.ok("import", "wds", src, tmp_path / "raw", "--json").json()
     assert out["imported"] == 12 and out["skipped"] == 0 and out["bad"] == [] and out["classes"] == 4
+    assert out["writers"] == 1  # the folder importer's keys too (docs/CLI.md)
     got = _read_all(tmp_path / "raw")
     assert list(got) == sorted(expected)
     for k, e in expected.items():
@@ -291,7 +292,7 @@ def tfrecords(tmp_path):
 def test_tfrecord_round_trips_record_for_record(tmp_path, tfrecords, cli):
     src, expected = tfrecords
     out = cli.ok("import", "tfrecord", src, tmp_path / "ds", "--key", "id", "--json").json()
-    assert out["imported"] == 14 and out["bad"] == [] and out["classes"] == 3
+    assert out["imported"] == 14 and out["bad"] == [] and out["classes"] == 3 and out["writers"] == 1
     got = _read_all(tmp_path / "ds")
     assert list(got) == list(expected)
     for k, (feats, _pixels, _file, _i) in expected.items():
