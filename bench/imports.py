@@ -10,10 +10,11 @@ with where that library installs (the `test` extra):
 - caffe:     two Caffe LMDBs of `Datum` protos as convert_imageset writes them (keys
              "%08d_<file>", a commit per 1,000 puts): encoded (the JPEG bytes, encoded=true)
              and raw (CHW uint8 pixels); the Datum wire bytes are written by hand in field
-             order, as tests/integration/test_caffe_import.py does, not by kvdata's descriptor;
+             order by tests/helpers/wire.py (as the Caffe tests do), not by kvdata's descriptor;
 - wds:       WebDataset tars of 500 samples (jpg + cls), written by webdataset's TarWriter;
 - tfrecord:  TFRecord files of 500 tf.train.Example (image bytes + label), framed with the
-             format's masked CRC-32C from google-crc32c (Examples encoded by hand, no TensorFlow);
+             format's masked CRC-32C from google-crc32c (Examples encoded by hand in
+             tests/helpers/wire.py, no TensorFlow);
 - parquet:   Parquet files of 500 rows (image bytes column + int label) written by pyarrow;
 - hf:        a Hugging Face Dataset with an Image feature and a ClassLabel, save_to_disk'ed by
              `datasets`;
@@ -47,7 +48,6 @@ import json
 import os
 import resource
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -74,6 +74,9 @@ from _common import (  # noqa: E402
     work_dir,
     write_json,
 )
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from helpers.wire import datum_bytes, example_bytes, tfrecord_frame, write_caffe_lmdb  # noqa: E402
 
 PER_FILE = 500            # samples per tar / TFRecord file / Parquet file
 CLASSES = 10
@@ -127,57 +130,6 @@ def make_set(n: int, width: int, height: int, seed: int) -> Images:
     return Images(jpegs, pixels, labels, names)
 
 
-# ====================================================================== protobuf wire bytes (Datum, Example)
-
-def varint(n: int) -> bytes:
-    """A protobuf varint (negative int32/int64 as their 64-bit two's complement, as protobuf does)."""
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def ld(number: int, payload: bytes) -> bytes:
-    """A length-delimited field."""
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
-
-
-def datum(*, data: bytes, label: int, shape: tuple[int, int, int] | None) -> bytes:
-    """caffe.Datum as Caffe's C++ serializes it (fields in number order): raw (CVMatToDatum:
-    channels, height, width, data, label, encoded=false) when `shape` (c, h, w) is given,
-    else encoded (ReadFileToDatum: data, label, encoded=true)."""
-    out = bytearray()
-    if shape is not None:
-        for number, v in zip((1, 2, 3), shape):
-            out += varint(number << 3) + varint(v)
-    out += ld(4, data) + varint(5 << 3) + varint(label) + varint(7 << 3) + varint(0 if shape else 1)
-    return bytes(out)
-
-
-def example(image: bytes, label: int) -> bytes:
-    """tf.train.Example {"image": bytes_list [image], "label": int64_list [label]} (feature.proto)."""
-    def entry(name: str, feature: bytes) -> bytes:
-        return ld(1, ld(1, name.encode()) + ld(2, feature))
-
-    feats = entry("image", ld(1, ld(1, image))) + entry("label", ld(3, ld(1, varint(label))))
-    return ld(1, feats)
-
-
-def tfrecord_frame(data: bytes) -> bytes:
-    """One TFRecord frame: length, masked CRC-32C of the length, data, masked CRC-32C of the data."""
-    import google_crc32c
-
-    def masked(b: bytes) -> int:
-        crc = google_crc32c.value(b)
-        return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
-
-    head = struct.pack("<Q", len(data))
-    return head + struct.pack("<I", masked(head)) + data + struct.pack("<I", masked(data))
-
-
 # ====================================================================== the inputs
 
 @dataclass
@@ -211,29 +163,17 @@ def write_listfile(root: Path, tree: Path, im: Images) -> Source:
 
 
 def write_caffe(root: Path, im: Images, encoded: bool) -> Source:
-    import lmdb
+    """convert_imageset's LMDB: with --encoded (ReadFileToDatum: the file's bytes, encoded=true)
+    or without (CVMatToDatum: CHW uint8 pixels)."""
+    def value(i: int) -> bytes:
+        label = int(im.labels[i])
+        if encoded:
+            return datum_bytes(data=im.jpegs[i], label=label, encoded=True)
+        h, w, c = im.pixels[i].shape
+        chw = np.ascontiguousarray(im.pixels[i].transpose(2, 0, 1))
+        return datum_bytes(channels=c, height=h, width=w, data=chw.tobytes(), label=label, encoded=False)
 
-    total = sum(map(len, im.jpegs)) if encoded else im.pixels.nbytes
-    env = lmdb.open(str(root), map_size=int(total * 1.5) + (64 << 20), subdir=True)
-    keys = []
-    try:
-        txn = env.begin(write=True)
-        for i, name in enumerate(im.names):
-            key = "%08d_%s" % (i, name)
-            if encoded:
-                value = datum(data=im.jpegs[i], label=int(im.labels[i]), shape=None)
-            else:
-                h, w, c = im.pixels[i].shape
-                value = datum(data=np.ascontiguousarray(im.pixels[i].transpose(2, 0, 1)).tobytes(),
-                              label=int(im.labels[i]), shape=(c, h, w))
-            txn.put(key.encode(), value)
-            keys.append(key)
-            if (i + 1) % 1000 == 0:
-                txn.commit()
-                txn = env.begin(write=True)
-        txn.commit()
-    finally:
-        env.close()
+    keys = write_caffe_lmdb(root, [(name, value(i)) for i, name in enumerate(im.names)])
     return Source(root, [str(root)], [], keys)
 
 
@@ -250,13 +190,16 @@ def write_wds(root: Path, im: Images) -> Source:
 
 
 def write_tfrecord(root: Path, im: Images) -> Source:
+    import google_crc32c
+
     root.mkdir(parents=True, exist_ok=True)
     keys = []
     for f, rows in enumerate(chunks(len(im.jpegs), PER_FILE)):
         name = f"train-{f:05d}.tfrecord"
         with open(root / name, "wb") as out:
             for r, i in enumerate(rows):
-                out.write(tfrecord_frame(example(im.jpegs[i], int(im.labels[i]))))
+                ex = example_bytes({"image": ("bytes", [im.jpegs[i]]), "label": ("int", [int(im.labels[i])])})
+                out.write(tfrecord_frame(ex, google_crc32c.value))
                 keys.append(f"{name}/{r:08d}")
     return Source(root, [str(root)], [], keys)
 
@@ -301,6 +244,7 @@ def write_numpy(root: Path, im: Images) -> Source:
 
 def write_sources(d: Path, im: Images, needed: set[str]) -> dict[str, Source]:
     """The input formats named in `needed` (write_sources' step names) under `d`, one directory each."""
+    d.mkdir(parents=True, exist_ok=True)
     out = {}
     steps: list[tuple[str, Callable[[], Source]]] = [
         ("folder", lambda: write_folder(d / "folder", im)),
