@@ -157,6 +157,12 @@ def store_read_notes() -> list[str]:
     return notes
 
 
+def imports_notes() -> list[str]:
+    miss = _missing("google.protobuf", "webdataset", "google_crc32c", "pyarrow", "datasets")
+    return [f"importers whose input libraries are missing lose their rows: {', '.join(miss)} "
+            "(pip install -e '.[test]')"] if miss else []
+
+
 def loader_notes() -> list[str]:
     miss = _missing("PIL", "mmap_ninja", "litdata")
     return [f"rows of missing peers skipped: {', '.join(miss)} (pip install -e '.[bench]' pillow)"] if miss else []
@@ -211,6 +217,8 @@ BENCHES: list[Bench] = [
     Bench("shuffle_quality", "shuffle_quality.py", ["--quick"], [], plot="shuffle_quality"),
     Bench("locality_churn", "locality_churn.py", ["--quick"], []),
     Bench("cluster_sim", "cluster_sim.py", ["--quick", "--quiet"], ["--quiet"]),
+    Bench("imports", "imports.py", ["--quick"], [], notes=imports_notes,
+          requires=needs_modules("PIL", hint="the images are JPEGs; pip install -e '.[test]'")),
     Bench("fuzz", "fuzz.py", ["--quick"], [],
           requires=needs_modules("google.protobuf", "PIL", hint="the Caffe targets; pip install -e '.[test]'")),
 ]

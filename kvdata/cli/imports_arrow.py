@@ -21,7 +21,7 @@ def _arrow_options(f: Any) -> Any:
     f = click.option("--skip-bad", is_flag=True,
                      help="Leave out records that cannot be imported (listed by key) instead of failing.")(f)
     f = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Processes that decode images (0 or 1: in-process).")(f)
+                     help="Processes that decode images (0 or 1: in-process; none with --decode none).")(f)
     f = click.option("--decode", type=click.Choice(["none", "rgb", "gray"]), default="none", show_default=True,
                      help="Store image columns as raw pixels (HWC uint8); 'none' keeps the image bytes.")(f)
     f = click.option("--image", "images", multiple=True, metavar="COLUMN",

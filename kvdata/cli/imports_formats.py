@@ -32,7 +32,8 @@ def _record_options(f: Any) -> Any:
     f = click.option("--skip-bad", is_flag=True,
                      help="Leave out bad records (named on stderr and in --json) instead of failing the import.")(f)
     f = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Processes that read and decode records (0 or 1: in-process).")(f)
+                     help="Processes that read and decode records (0 or 1: in-process). With --decode none "
+                          "records are read in-process: handing bytes over from other processes is slower.")(f)
     f = click.option("--decode", type=click.Choice(["none", "rgb", "gray"]), default="none", show_default=True,
                      help=_DECODE_HELP)(f)
     return f

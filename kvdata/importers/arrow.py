@@ -44,7 +44,7 @@ from ..reader.open import open_dataset
 from .arrow_sources import Plan, Source, batches, find_files, find_hf, plan_sources
 from .arrow_types import BYTES, IMAGE, INSTALL, BadValue, NoBytes, column_values
 from .common import summary
-from .records import check_common
+from .records import check_common, decode_workers
 
 REGION_BYTES = 64 << 20   # decoded pixels of one batch that workers hand over in shared memory
 MAX_BAD_LISTED = 1000     # bad records a summary lists (all are counted)
@@ -322,7 +322,7 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
     sniff = {c.name for c in plan.columns if c.kind == BYTES and c.name not in images}
     kinds: dict[str, str] = {c.name: c.kind for c in plan.columns}
     n = 0
-    decoder = Decoder(int(workers), decode)
+    decoder = Decoder(decode_workers(workers, decode), decode)  # decode="none": no pool
     bar: Any = None
 
     def put(store: Any, rows: list[Row], decoded: list[dict[str, Any] | str]) -> None:

@@ -8,7 +8,9 @@ from typing import Any
 
 
 def summary(dataset: str | os.PathLike[str], imported: int, skipped: int, classes: int,
-            started: float) -> dict[str, Any]:
-    """The importer's result (what `kvdata import --json` prints)."""
+            started: float, writers: int = 1) -> dict[str, Any]:
+    """The importer's result (what `kvdata import --json` prints). `writers`: the processes that
+    wrote records (1 unless the folder importer wrote parts in parallel), so every importer's
+    --json has the same keys and a script can tell which path an import took."""
     return {"dataset": str(dataset), "imported": imported, "skipped": skipped, "classes": classes,
-            "seconds": round(time.perf_counter() - started, 3)}
+            "seconds": round(time.perf_counter() - started, 3), "writers": writers}

@@ -74,7 +74,7 @@ def import_folder(src: str | os.PathLike[str], dataset: str | os.PathLike[str], 
         raise ConfigError(f"{root}: no image files found ({', '.join(sorted(IMAGE_EXTENSIONS))}); check the path")
     n, writers = _write(items, dataset, opts, classes=classes, shuffle=shuffle, seed=seed, workers=workers,
                         shard_size=shard_size, compress=compress, progress=progress)
-    return {**summary(dataset, n, skipped, len(classes), started), "writers": writers}
+    return summary(dataset, n, skipped, len(classes), started, writers)
 
 
 def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike[str], *,
@@ -97,7 +97,7 @@ def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike
         raise ConfigError(f"{listfile}: the list file names no images; write one 'relative/path label' per line")
     n, writers = _write(items, dataset, opts, classes=None, shuffle=shuffle, seed=seed, workers=workers,
                         shard_size=shard_size, compress=compress, progress=progress)
-    return {**summary(dataset, n, 0, len({it.label for it in items}), started), "writers": writers}
+    return summary(dataset, n, 0, len({it.label for it in items}), started, writers)
 
 
 # ---------------------------------------------------------------- finding the files

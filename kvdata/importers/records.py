@@ -12,7 +12,11 @@ What workers buy: decoding (Pillow) runs in them, but every record's bytes still
 through the parent (unpickle, encode, LMDB put, the seal's sha256). Measured on 2,000
 128x128 JPEGs, --decode rgb: workers spend ~420-530 us of CPU per record, the parent
 ~260-275 us with a pool (~400-560 us when it decodes itself), so more workers pay only
-while the parent has a core of its own; on a box of 2 busy cores they do not.
+while the parent has a core of its own; on a box of 2 busy cores they do not
+(bench/imports.py: 0.85x (256x256) to 1.09x (128x96) with 2 workers). The decoded pixels
+cross a pipe as pickles, read by the pool's result thread against the writer's GIL; the
+Arrow importer's shared-memory hand-off (arrow.Decoder) is what would lift that. Without
+decoding no pool is started at all (decode_workers).
 """
 
 from __future__ import annotations
@@ -112,10 +116,23 @@ def make_pool(workers: int) -> Any:
     return ctx.Pool(workers)
 
 
+def decode_workers(workers: int, decode: str) -> int:
+    """The worker processes worth starting for `workers` requested: none when nothing is decoded.
+
+    Without decoding, a worker only reads a record's bytes (and parses its framing), and handing
+    them to the one writer costs the parent more than reading them itself: every result is
+    unpickled by the pool's result thread, which must win the GIL back from the busy writer
+    once per pipe read (up to the 5 ms switch interval each time). Measured with
+    bench/imports.py, 2,000 256x256 JPEGs kept as bytes, `--workers 2` ran at 0.60x (wds) and
+    0.67x (tfrecord) the in-process rate, so those records are read in-process."""
+    return int(workers) if decode != "none" else 0
+
+
 @contextlib.contextmanager
-def worker_pool(workers: int) -> Iterator[Any]:
-    """make_pool's pool for the whole import (scan and load), terminated at the end."""
-    pool = make_pool(int(workers))
+def worker_pool(workers: int, decode: str) -> Iterator[Any]:
+    """make_pool's pool for the whole import (scan and load), terminated at the end; None
+    (everything in-process) for workers <= 1 or decode="none" (decode_workers)."""
+    pool = make_pool(decode_workers(workers, decode))
     try:
         yield pool
     finally:

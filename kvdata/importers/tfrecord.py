@@ -4,8 +4,9 @@ A TFRecord file is a sequence of frames: uint64 length (little-endian), the mask
 CRC-32C of those 8 bytes, `length` bytes of data, the masked CRC-32C of the data
 (mask: ((crc >> 15) | (crc << 17)) + 0xa282ead8 mod 2**32). Both CRCs are checked:
 the length's in the parent's scan (a bad one means the framing is lost, so the file
-is refused naming the record number), the data's in the workers (a bad record fails
-the import, or is left out with skip_bad). Record numbers in messages count from 0.
+is refused naming the record number), the data's in the workers (in the parent with
+decode="none", records.decode_workers; a bad record fails the import, or is left out
+with skip_bad). Record numbers in messages count from 0.
 
 CRC-32C comes from google-crc32c (C) when it is installed (`kvdata[tfrecord]`), else
 from a table-driven pure-Python version (correct, about 100x slower).
@@ -181,7 +182,7 @@ def import_tfrecord(sources: list[str | os.PathLike[str]], dataset: str | os.Pat
             tasks.append(Task(path, tuple(frames[i:i + RECORDS_PER_TASK]), decode, key_feature, ident))
     if total == 0:
         raise InvalidValueError(f"{', '.join(files[:3])}: no TFRecord records found; nothing was written")
-    with worker_pool(workers) as pool:
+    with worker_pool(workers, decode) as pool:
         return write_records(tasks, load_task, dataset, total=total, pool=pool, workers=workers, skip_bad=skip_bad,
                              scan_bad=scan_bad, shard_size=shard_size, compress=compress, progress=progress,
                              started=started)

@@ -17,7 +17,8 @@ far as it is safe: the scan takes headers only, accepts only regular-file member
 never follows a link, refuses absolute names, `..` components and NUL bytes, bounds
 member sizes, and checks that every member's data lies inside the file and that
 nothing but zero blocks follows the last header `tarfile` could read (it stops quietly
-at a damaged header). Payloads are then read by offset (`os.pread`) in the workers.
+at a damaged header). Payloads are then read by offset (`os.pread`) in the workers (in
+the parent with decode="none": records.decode_workers).
 Only uncompressed tars are read (a .tar.gz must be gunzipped first: records are read
 by offset).
 
@@ -82,7 +83,7 @@ def import_wds(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike
     scan_bad: list[Bad] = []
     ignored = 0
     keys: dict[str, str] = {}
-    with worker_pool(workers) as pool:  # tars are scanned in the workers too, one tar each
+    with worker_pool(workers, decode) as pool:  # tars are scanned in the workers too, one tar each
         for found, bad, skipped in map_ordered(pool, _scan_task, [(tar, limit, decode) for tar in tars]):
             ignored += skipped
             for g in found:

@@ -5,7 +5,7 @@ environment directory, keys "%08d_<filename>", values the serialized `Datum`
 with its fields in field-number order (raw: CVMatToDatum sets channels, height,
 width, data and encoded=false, then the label is set; encoded: ReadFileToDatum
 sets data, label and encoded=true). The Datum bytes come from a small protobuf
-wire *encoder* in this file, independent of kvdata's descriptor, so a wrong
+wire *encoder* (tests/helpers/wire.py), independent of kvdata's descriptor, so a wrong
 field number or type in kvdata/caffe.py fails here. Raw images are stored CHW
 as Caffe does; their channel order (BGR from OpenCV in Caffe) is kept as stored.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -30,42 +29,13 @@ import kvdata
 from kvdata.importers.caffe import datum_class, import_caffe
 from kvdata.errors import ConfigError, InvalidKeyError, InvalidValueError, KVDataError
 from kvdata.reader.open import verify
+from helpers.wire import datum_bytes, write_caffe_lmdb
 
 KVDATA = str(Path(sys.executable).parent / "kvdata")
 H, W = 12, 10
 
 
 # ---------------------------------------------------------------- a Caffe Datum, as protobuf wire bytes
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # int32 negatives are sign-extended to 10 bytes, as protobuf does
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def datum_bytes(*, channels: int | None = None, height: int | None = None, width: int | None = None,
-                data: bytes | None = None, label: int | None = None, float_data: list[float] | None = None,
-                encoded: bool | None = None) -> bytes:
-    """caffe.Datum serialized as Caffe's C++ does: set fields in field-number order;
-    float_data is proto2 `repeated float`, so not packed (one fixed32 per value)."""
-    out = bytearray()
-    for number, v in ((1, channels), (2, height), (3, width)):
-        if v is not None:
-            out += _varint(number << 3) + _varint(v)
-    if data is not None:
-        out += _varint(4 << 3 | 2) + _varint(len(data)) + data
-    if label is not None:
-        out += _varint(5 << 3) + _varint(label)
-    for f in float_data or ():
-        out += _varint(6 << 3 | 5) + struct.pack("<f", f)
-    if encoded is not None:
-        out += _varint(7 << 3) + _varint(int(encoded))
-    return bytes(out)
-
 
 def raw_datum(hwc: np.ndarray, label: int) -> bytes:
     """CVMatToDatum + set_label: uint8 pixels in CHW order."""
@@ -77,26 +47,6 @@ def raw_datum(hwc: np.ndarray, label: int) -> bytes:
 def encoded_datum(file_bytes: bytes, label: int) -> bytes:
     """ReadFileToDatum: the image file's bytes, the label, encoded=true."""
     return datum_bytes(data=file_bytes, label=label, encoded=True)
-
-
-def write_caffe_lmdb(path: Path, records: list[tuple[str, bytes]]) -> list[str]:
-    """convert_imageset: db::NEW (an LMDB directory), key "%08d_%s" % (line_id, filename),
-    a commit every 1000 puts. Returns the keys in line order."""
-    env = lmdb.open(str(path), map_size=1 << 26, subdir=True)
-    keys = []
-    try:
-        txn = env.begin(write=True)
-        for line_id, (filename, value) in enumerate(records):
-            key = "%08d_%s" % (line_id, filename)
-            txn.put(key.encode("utf-8"), value)
-            keys.append(key)
-            if (line_id + 1) % 1000 == 0:
-                txn.commit()
-                txn = env.begin(write=True)
-        txn.commit()
-    finally:
-        env.close()
-    return keys
 
 
 def pixels(i: int, c: int = 3, h: int = H, w: int = W) -> np.ndarray:
@@ -343,6 +293,7 @@ def test_cli_import_caffe(tmp_path: Path) -> None:
     assert p.returncode == 0 and p.stderr == "", p.stderr
     summary = json.loads(p.stdout)
     assert summary["imported"] == 4 and summary["classes"] == 4 and summary["dataset"] == "ds"
+    assert summary["writers"] == 1  # every importer's --json has the folder importer's keys (docs/CLI.md)
     got_keys, values, labels = contents(tmp_path / "ds")
     assert got_keys == keys and labels == [0, 1, 2, 5]
     np.testing.assert_array_equal(values[3]["image"], pixels(7))

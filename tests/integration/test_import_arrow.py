@@ -376,6 +376,7 @@ def test_cli_parquet_and_hf_exit_codes_and_json(parquet_dir: Path, hf_saved: tup
     out = cli.ok("import", "parquet", f, "ds", "--key", "id", "--label", "y", "--columns", "id,y,fix",
                  "--json").json()
     assert out["imported"] == 300 and out["columns"] == {"id": "str", "y": "int", "fix": "array"}
+    assert out["writers"] == 1  # the folder importer's keys too (docs/CLI.md)
     line = cli.fail("import", "parquet", f, "ds2", "--key", "missing", names=["--key 'missing'", "no such column"])
     assert "Traceback" not in line and not (tmp_path / "ds2").exists()
     cli.fail("import", "parquet", parquet_dir / "README.txt", "ds2", names=["README.txt", "Parquet"])

@@ -24,7 +24,7 @@ def test_from_iterable_round_trips_every_field_type(tmp_path):
               "vec": [i, i + 1]} for i in range(50)]
     gen = (dict(item) for item in items)  # no len(): a plain generator works too
     out = kvdata.from_iterable(tmp_path / "ds", gen, key="id")
-    assert out["imported"] == 50 and out["classes"] == 3
+    assert out["imported"] == 50 and out["classes"] == 3 and out["writers"] == 1
     got = _read_all(tmp_path / "ds")
     assert list(got) == [it["id"] for it in items]
     for it in items:
