@@ -415,7 +415,7 @@ def test_a_failed_sha256_of_a_sealed_shard_fails_the_commit_and_changes_nothing(
 
     def broken(*_a: Any, **_k: Any) -> Any:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
-    monkeypatch.setattr(shards_mod, "file_sha256", broken)
+    monkeypatch.setattr(shards_mod, "mapped_file_sha256", broken)
     st = kvdata.open(ds, "a", shard_size="64KB")
     st.put_many((f"n{i}", _small(i)) for i in range(200))  # seals shards on the way
     with pytest.raises(KVDataError, match="unchanged at generation"):
