@@ -5,10 +5,11 @@ What to stage, what to evict and what to read by record is decided by the real
 kvdata.tiers.policy, called as kvdata.tiers.engine.Engine calls it (nothing of the policy is
 re-implemented here):
 
-- at every announce (an epoch start): `policy.keep_for_next_pass(demands, sizes, room, shard)`
-  -- the shards worth a whole copy (the engine also passes what is resident and held while a
-  pass runs; not modelled yet: the set is taken at the epoch start); an announced shard outside
-  that set is *bypassed*: read record by record from S3, never staged (Engine.keep_set/_bypass);
+- at every announce (an epoch start) and every `keep_ttl` seconds of a pass (Engine.keep_set's
+  KEEP_TTL): `policy.keep_for_next_pass(demands, sizes, room, shard, resident=, held=,
+  reading=KEEP_READING, admitted=)` -- the shards worth a whole copy at this moment of the pass;
+  an announced shard outside that set is *bypassed*: read record by record from S3, never staged
+  (Engine.keep_set/_bypass);
 - every tick in which a reader moved or a copy landed: `policy.plan_tier(budget, sizes,
   resident, demands, in_use=held, lookahead=policy.prefetch_depth(...))`, and the engine's own
   loop over its stage list (skip bypassed and in-flight shards, at most 2 x workers jobs queued
@@ -56,6 +57,7 @@ import numpy as np
 from _cluster_plan import RankEpoch
 
 from kvdata.tiers import policy
+from kvdata.tiers.engine import KEEP_READING, KEEP_TTL
 from kvdata.tiers.records import IN_FLIGHT
 from kvdata.tiers.source import MAX_OPEN, max_open_within
 
@@ -77,6 +79,11 @@ class Params:
     link_bps: float = 100e9           # per node, bits/s
     gpu_rate: float = 2500.0          # samples/s per GPU; 0: as fast as the data comes (read_rate)
     read_rate: float = 20000.0        # samples/s a rank reads from a tier when gpu_rate is 0
+    start_s: float = 0.0              # s from an epoch's start to a rank's first read (DataLoader workers
+                                      # started per epoch, the barrier); staging runs meanwhile
+    keep_ttl: float = KEEP_TTL        # s the keep set is trusted before it is taken again (Engine.keep_set)
+    server_bps: float = 0.0           # bytes/s the S3 server sends to all nodes together (0: no limit;
+                                      # a test server on a shared machine has one); an even share per node
     batch_size: int = 256
     num_workers: int = 8              # DataLoader worker processes per rank (record-read pools)
     get_limit: float = 5500.0         # GET/s per partitioned S3 prefix
@@ -156,6 +163,8 @@ class Tier:
     reserved: int = 0
     inflight: dict[int, Job] = field(default_factory=dict)
     readers: list[Reader] = field(default_factory=list)
+    keep_at: float = -INF         # when the keep set is taken again (Engine.keep_set's cache)
+    admitted: tuple[int, set[int] | None] = (0, None)   # (the orders, the set their readers went by)
 
     def add(self, shard: int, size: int) -> None:
         self.resident[shard] = size
@@ -203,6 +212,7 @@ class Reader:
         self.index = index
         self.ep: RankEpoch | None = None
         self.announced: tuple[int, ...] = ()
+        self.next_start: int | None = None
         self.cursor = 0
         self.carry = 0.0
         self.done = True
@@ -227,7 +237,7 @@ class Reader:
     def demand(self) -> policy.Demand:
         pos = self.ep.position(self.cursor) if self.ep is not None else 0
         if self._demand is None or self._demand.position != pos:
-            self._demand = policy.Demand(self.announced, pos)
+            self._demand = policy.Demand(self.announced, pos, self.next_start)
         return self._demand
 
 
@@ -290,6 +300,7 @@ class Node:
         self.job_rate = min(p.parts_in_flight * p.part_bytes / (p.latency + p.part_bytes / p.conn_bps),
                             p.verify_bps / p.compression)
         self.get_share = p.prefixes * p.get_limit / p.nodes if p.prefixes > 0 else INF
+        self.node_bps = min(p.link_bps / 8, p.server_bps / p.nodes) if p.server_bps > 0 else p.link_bps / 8
         self.tokens_left = 0.0
         self._t = self._dt = self._link = self._tokens = 0.0
         self._cands: list[list] = []
@@ -308,12 +319,14 @@ class Node:
         for r, ep, nxt in zip(self.readers, this, following):
             r.ep = ep
             r.announced = tuple(ep.seq.tolist() + nxt.tolist())
+            r.next_start = len(ep.seq)             # ShardShuffleSampler says where the next epoch starts
             r._demand = None
             r.cursor, r.carry, r.done = 0, 0.0, len(ep.shards) == 0
             r.private.clear()
             r.tables.clear()
             r.reset_epoch(t0)
         for t in self.tiers:
+            t.keep_at = t0 + self.p.keep_ttl
             self._keep(t)
         for e in self.engines:
             e.dirty = True
@@ -321,11 +334,17 @@ class Node:
         self.evictions = self.private_copies = 0
 
     def _keep(self, tier: Tier) -> None:
-        """policy.keep_for_next_pass over the orders announced into the tier (Engine.keep_set)."""
+        """policy.keep_for_next_pass over the orders announced into the tier, with what the tier
+        holds and what readers map, as Engine.keep_set takes it (every keep_ttl seconds)."""
         p = self.p
         demands = tier.demands()
         room = int(tier.budget)
-        keep = policy.keep_for_next_pass(demands, self.sizes, room, int(p.shard_bytes))
+        held = tier.held(self.max_open[id(tier)])
+        basis = hash(tuple(d.sequence for d in demands))
+        admitted = tier.admitted[1] if tier.admitted[0] == basis else None
+        keep = policy.keep_for_next_pass(demands, self.sizes, room, int(p.shard_bytes), resident=tier.resident,
+                                         held=held, reading=KEEP_READING, admitted=admitted)
+        tier.admitted = (basis, keep)
         tier.bypass[:] = False
         if keep is not None:
             announced = np.unique(np.concatenate([np.asarray(d.sequence, dtype=np.int64) for d in demands]))
@@ -348,11 +367,15 @@ class Node:
         its process's GETs in flight and the node's link and S3 share, or a private copy); the
         smallest of these over the readers still reading (a large number when none is)."""
         self._t, self._dt = t, dt
-        self._link = self.p.link_bps / 8 * dt
+        self._link = self.node_bps * dt
+        for tier in self.tiers:
+            if t >= tier.keep_at:          # Engine.keep_set: taken again once its KEEP_TTL is out
+                tier.keep_at = t + self.p.keep_ttl
+                self._keep(tier)
         self._tokens = self.get_share * dt + self.tokens_left
         cands = []
         for r in self.readers:
-            if r.done or r.ep is None:
+            if r.done or r.ep is None or t < r.t0 + self.p.start_s - 1e-12:
                 continue
             ep = r.ep
             want = self.rate_slots * dt + r.carry

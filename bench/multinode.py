@@ -166,7 +166,7 @@ def main() -> None:
                          "link_rate_bps": nl.rate_bytes(a.rate) * 8, "rtt_ms": a.rtt_ms, "epochs": a.epochs,
                          "seed": a.seed, "exchange": a.exchange, "batch_size": a.batch_size, "num_workers": a.workers,
                          "window": a.window, "budget_frac": a.budget_frac, "dataset_s3_bytes": s3_bytes,
-                         "repeats": a.repeats}
+                         "repeats": a.repeats, "daemon": True, "gpu_samples_per_s": 0}
         for rep in range(a.repeats):
             phases = rotated(SAMPLERS, rep)
             log(f"repeat {rep + 1}: {', '.join(phases)}")

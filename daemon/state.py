@@ -413,10 +413,14 @@ class Service:
             raise BadRequest("shards must be a list of integer shard ids")
         entries = [self._entry(ds, s) for s in shards]
         position = self._position(msg.get("position", 0))
+        next_start = msg.get("next_start")
+        if next_start is not None and (type(next_start) is not int or not 0 <= next_start <= len(entries)):
+            raise BadRequest(f"next_start must be an integer index into shards (0..{len(entries)}), "
+                             f"not {next_start!r}")
         self._take_files(cid, ds, home, msg)
         with self._lock:
             self._client(cid).readers.add(reader)
-        self.engine.announce(reader, home, entries, position)
+        self.engine.announce(reader, home, entries, position, next_start)
         return {}
 
     def progress(self, cid: int, msg: dict[str, Any]) -> dict[str, Any]:

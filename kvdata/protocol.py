@@ -18,7 +18,7 @@ index (`open`). docs/SECURITY.md is the trust model.
 |----------|-------------------------------------------------|------------------------------|
 | hello    | version, pid                                    | version, pid, uid, paths (may name local paths) |
 | open     | dataset (abs path, s3://, http(s)://) [fd: manifest] | root, generation, shards, files (+ fds) |
-| announce | dataset, reader, shards [int ids in order], position [ahead, fds] | -             |
+| announce | dataset, reader, shards [int ids in order], position [next_start, ahead, fds] | - |
 | progress | reader, position, stall (seconds, cumulative) [dataset, ahead, fds] | -          |
 | need     | dataset, shard (int id), sha256 [kind, fd: the shard file] | path, staged, fd: read-only copy, congested? |
 | want     | dataset, shards [[int id, sha256], ...] [kinds, fds] | started (staging begun now, not awaited) |

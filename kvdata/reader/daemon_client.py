@@ -413,17 +413,20 @@ class DaemonStager:
         sent.update(i for i, _k in items)
         return fds, items
 
-    def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0) -> None:
+    def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0,
+                 next_start: int | None = None) -> None:
         self._orders[reader] = list(entries)
         self._ahead[reader] = set()
         fds, items = self._window(reader, position)
         extra: dict[str, Any] = {"ahead": items} if fds else {}
+        if next_start is not None:
+            extra["next_start"] = next_start
         try:
             reply = self._call("announce", fds, reader=reader, shards=[e.id for e in entries], position=position, **extra)
         finally:
             close_fds(fds)
         if reply is None:
-            self._engine().announce(reader, self._home, list(entries), position)
+            self._engine().announce(reader, self._home, list(entries), position, next_start)
 
     def progress(self, reader: str, position: int) -> None:
         """Reported at most every PROGRESS_INTERVAL per reader (a socket round trip each)."""

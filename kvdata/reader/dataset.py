@@ -108,15 +108,20 @@ class Dataset(torch.utils.data.Dataset):
         """Whether a staging engine listens to announced orders (False: read in place)."""
         return self.store.source is not None
 
-    def announce(self, reader: str, shard_ids: Sequence[int], position: int = 0) -> None:
+    def announce(self, reader: str, shard_ids: Sequence[int], position: int = 0,
+                 next_start: int | None = None) -> None:
         """Tell the staging engine the order this reader will visit shards in, so it
-        prefetches ahead and evicts what is needed last (no-op when read in place)."""
+        prefetches ahead and evicts what is needed last (no-op when read in place);
+        `next_start`: where the next epoch's part of `shard_ids` begins, if it is there."""
         source = self.store.source
         if source is None:
             return
         entries = self.store.manifest.shards
-        seq = [entries[s] for s in shard_ids if s < len(entries)]  # the open tail is never staged
-        source.announce(reader, seq, position)
+        n = len(entries)
+        seq = [entries[s] for s in shard_ids if s < n]  # the open tail is never staged
+        if next_start is not None:  # the same boundary in the sequence without the tail
+            next_start = sum(1 for s in shard_ids[:next_start] if s < n)
+        source.announce(reader, seq, position, next_start)
 
     def progress(self, reader: str, position: int) -> None:
         """How far (in shards of the announced sequence) the reader has got."""

@@ -7,6 +7,7 @@ the shards (kvdata.order.locality_shares), so its tier keeps serving it epoch af
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,16 @@ import torch.utils.data
 from .. import order as order_mod
 
 STATE_VERSION = 1
+
+
+def _takes_next_start(announce: Any) -> bool:
+    """Whether a dataset's announce() takes `next_start` (kvdata.Dataset's does; a wrapper
+    written against the older (reader, shard_ids, position) signature may not)."""
+    try:
+        params = inspect.signature(announce).parameters
+    except (TypeError, ValueError):
+        return False
+    return "next_start" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 class ShardShuffleSampler(torch.utils.data.Sampler[int]):
@@ -159,7 +170,10 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         # the next epoch's order is known too (a pure function of seed and epoch): announcing
         # it lets eviction keep what the next epoch reads first instead of flushing at the boundary
         following = self._planned_next() if self.shuffle else seq
-        announce(self._reader, seq.tolist() + following.tolist(), position(start))
+        if _takes_next_start(announce):
+            announce(self._reader, seq.tolist() + following.tolist(), position(start), next_start=len(seq))
+        else:  # a dataset wrapper of the user's with the older signature
+            announce(self._reader, seq.tolist() + following.tolist(), position(start))
         last = [position(start)]
 
         def step(i: int) -> None:

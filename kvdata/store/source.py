@@ -49,8 +49,9 @@ class ShardSource(Protocol):
     def need(self, entries: Sequence[ShardEntry]) -> None:
         """A batch needs these unmapped shards now: start them all at once."""
 
-    def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0) -> None:
-        """A reader's shard order for its epoch (and the next)."""
+    def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0,
+                 next_start: int | None = None) -> None:
+        """A reader's shard order for its epoch (and the next, from `next_start` on)."""
 
     def progress(self, reader: str, position: int) -> None:
         """How far along its announced order a reader is."""

@@ -512,16 +512,18 @@ class Engine:
 
     # ------------------------------------------------------------ order-aware prefetch
 
-    def announce(self, reader: str, home: Home, entries: list[ShardEntry], position: int = 0) -> None:
-        """A reader's shard sequence for its epoch (e.g. from ShardShuffleSampler.shard_order)."""
+    def announce(self, reader: str, home: Home, entries: list[ShardEntry], position: int = 0,
+                 next_start: int | None = None) -> None:
+        """A reader's shard sequence for its epoch (e.g. from ShardShuffleSampler.shard_order),
+        and its next epoch's from `next_start` on when the reader knows it."""
         for e in entries:
             k = self._known.get(e.sha256)
             if k is None or not k.home.can_stage(e.sha256):  # keep a home that can supply it
                 self._known[e.sha256] = _Known(home, e)
         with self._lock:
-            self._demands[reader] = policy.Demand(tuple(e.sha256 for e in entries), position)
+            self._demands[reader] = policy.Demand(tuple(e.sha256 for e in entries), position, next_start)
         self.modes.announced(reader, [e.sha256 for e in entries[:ORDER_PREFIX_SHARDS]])
-        self._orders.publish(self.tiers, reader, [e.sha256 for e in entries], position)
+        self._orders.publish(self.tiers, reader, [e.sha256 for e in entries], position, next_start)
         self._keep_cache = (0.0, None, frozenset())  # a new order: what is worth keeping changes
         if self.prefetch:
             self._replan()
@@ -531,7 +533,7 @@ class Engine:
             d = self._demands.get(reader)
             if d is None or d.position == position:
                 return
-            self._demands[reader] = policy.Demand(d.sequence, position)
+            self._demands[reader] = policy.Demand(d.sequence, position, d.next_start)
         self._orders.move(reader, position)
         if self.prefetch:
             self._replan()

@@ -9,8 +9,9 @@ two workers, against the optimum of 0.75). So every engine publishes the orders 
 announce in each tier it stages into, and evicts by everyone's (kvdata.tiers.policy).
 
 A published order is a file `locks/claims-<uid>/order-<uid>-<pid>-<n>` that its publisher
-holds a shared flock on (Tier.publish): a 64-byte header `kvorder1 <position> <count>`
-(the position rewritten in place as the reader moves), then `count` raw 32-byte sha256s.
+holds a shared flock on (Tier.publish): a 64-byte header `kvorder1 <position> <count>
+[<next_start>]` (the position rewritten in place as the reader moves; next_start where the
+announcer gave its next pass's start), then `count` raw 32-byte sha256s.
 A file nobody holds is a dead process's and goes. Only this uid's files are read (the
 claims directory is its own, 0700), and each is still checked before use.
 """
@@ -30,19 +31,22 @@ MAGIC = b"kvorder1"
 MAX_SHARDS = 1 << 22  # a longer published order is not read (128 MiB of sha256s)
 
 
-def _header(position: int, count: int) -> bytes:
-    return (b"%s %d %d\n" % (MAGIC, position, count)).ljust(HEADER)
+def _header(position: int, count: int, next_start: int | None = None) -> bytes:
+    if next_start is None:
+        return (b"%s %d %d\n" % (MAGIC, position, count)).ljust(HEADER)
+    return (b"%s %d %d %d\n" % (MAGIC, position, count, next_start)).ljust(HEADER)
 
 
-def parse_header(raw: bytes) -> tuple[int, int] | None:
-    """(position, count), or None for a header this version did not write."""
+def parse_header(raw: bytes) -> tuple[int, int, int | None] | None:
+    """(position, count, next_start or None), or None for a header this version did not write."""
     parts = raw.split()
-    if len(parts) != 3 or parts[0] != MAGIC or not parts[1].isdigit() or not parts[2].isdigit():
+    if len(parts) not in (3, 4) or parts[0] != MAGIC or not all(p.isdigit() for p in parts[1:]):
         return None
     position, count = int(parts[1]), int(parts[2])
-    if count > MAX_SHARDS or position > count:
+    next_start = int(parts[3]) if len(parts) == 4 else None
+    if count > MAX_SHARDS or position > count or (next_start is not None and next_start > count):
         return None
-    return position, count
+    return position, count, next_start
 
 
 class SharedOrders:
@@ -52,7 +56,8 @@ class SharedOrders:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._serial = itertools.count()
-        self._mine: dict[str, tuple[int, list[tuple[Tier, str, int]]]] = {}  # reader -> (count, [(tier, name, fd)])
+        # reader -> (count, next_start, [(tier, name, fd)])
+        self._mine: dict[str, tuple[int, int | None, list[tuple[Tier, str, int]]]] = {}
         self._seen: dict[tuple[str, str, int], tuple[str, ...]] = {}  # (tier dir, name, inode) -> order
 
     def _prefix(self) -> str:
@@ -64,16 +69,19 @@ class SharedOrders:
         forgets them."""
         if os.getpid() == self._pid:
             return
-        for _count, held in self._mine.values():
+        for _count, _next, held in self._mine.values():
             for _t, _n, fd in held:
                 os.close(fd)
         self._mine = {}
         self._pid = os.getpid()
 
-    def publish(self, tiers: Sequence[Tier], reader: str, sequence: Sequence[str], position: int) -> None:
+    def publish(self, tiers: Sequence[Tier], reader: str, sequence: Sequence[str], position: int,
+                next_start: int | None = None) -> None:
         """Publish (or replace) `reader`'s order in each of `tiers` (best effort: a tier that
         cannot take it is skipped; its evictions then go by this process's order only)."""
-        body = _header(position, len(sequence)) + b"".join(bytes.fromhex(s) for s in sequence)
+        if next_start is not None and not 0 <= next_start <= len(sequence):
+            next_start = None
+        body = _header(position, len(sequence), next_start) + b"".join(bytes.fromhex(s) for s in sequence)
         made = []
         for t in tiers:
             name = f"{self._prefix()}{os.getpid()}-{next(self._serial)}"
@@ -83,16 +91,16 @@ class SharedOrders:
                 continue
         with self._lock:
             self._settle()
-            _count, old = self._mine.pop(reader, (0, []))
-            self._mine[reader] = (len(sequence), made)
+            _count, _next, old = self._mine.pop(reader, (0, None, []))
+            self._mine[reader] = (len(sequence), next_start, made)
         for t, name, fd in old:
             t.withdraw(name, fd)
 
     def move(self, reader: str, position: int) -> None:
         with self._lock:
             self._settle()
-            count, held = self._mine.get(reader, (0, []))
-        head = _header(min(position, count), count)
+            count, next_start, held = self._mine.get(reader, (0, None, []))
+        head = _header(min(position, count), count, next_start)
         for _t, _name, fd in held:
             try:
                 os.pwrite(fd, head, 0)
@@ -102,7 +110,7 @@ class SharedOrders:
     def withdraw(self, reader: str) -> None:
         with self._lock:
             self._settle()
-            _count, held = self._mine.pop(reader, (0, []))
+            _count, _next, held = self._mine.pop(reader, (0, None, []))
         for t, name, fd in held:
             t.withdraw(name, fd)
 
@@ -138,7 +146,7 @@ class SharedOrders:
             except OSError:
                 continue
             live.add(key)
-            out.append(Demand(seq, got[0]))
+            out.append(Demand(seq, got[0], got[2]))
         with self._lock:
             for key in [k for k in self._seen if k[0] == str(tier.dir) and k not in live]:
                 del self._seen[key]

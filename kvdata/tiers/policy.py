@@ -23,6 +23,15 @@ class Demand:
 
     sequence: tuple[str, ...]
     position: int = 0
+    # where the next pass starts in `sequence`, when the announcer said (ShardShuffleSampler
+    # does): the boundary cannot always be inferred (next_pass_start), e.g. a rank of many
+    # whose next epoch shares no shard with this one. None: inferred.
+    next_start: int | None = None
+
+    def pass_end(self) -> int:
+        """Index of the next pass's first shard (len(sequence): no next pass)."""
+        n = self.next_start
+        return n if n is not None and 0 <= n <= len(self.sequence) else next_pass_start(self.sequence)
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,7 @@ def keep_for_next_pass(demands: Iterable[Demand], sizes: Mapping[str, int], room
     for d in demands:
         seq = d.sequence
         every.update(seq)
-        start = next_pass_start(seq)
+        start = d.pass_end()
         this_pass.update(seq[:start])
         ahead.update(seq[min(d.position, start):start])
         unread.update(seq[min(d.position + reading, start):start])

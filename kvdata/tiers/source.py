@@ -68,8 +68,9 @@ class EngineSource:
     def need(self, entries: Sequence[ShardEntry]) -> None:
         self.engine.start_many(self._home, list(entries))
 
-    def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0) -> None:
-        self.engine.announce(reader, self._home, list(entries), position)
+    def announce(self, reader: str, entries: Sequence[ShardEntry], position: int = 0,
+                 next_start: int | None = None) -> None:
+        self.engine.announce(reader, self._home, list(entries), position, next_start)
 
     def progress(self, reader: str, position: int) -> None:
         self.engine.progress(reader, position)

@@ -466,6 +466,8 @@ def _hostile_messages(ds: str, bad_ds: str) -> list[dict]:
         out.append({"t": "announce", "id": 5, "dataset": ds, "reader": reader, "shards": [0]})
         out.append({"t": "progress", "id": 5, "reader": reader, "position": 0})
         out.append({"t": "release", "id": 5, "reader": reader})
+    for next_start in (-1, 2, True, "1", 1.5, [1]):   # an index into shards (here 0..1), or absent
+        out.append({"t": "announce", "id": 6, "dataset": ds, "reader": "r", "shards": [0], "next_start": next_start})
     for position in (-1, True, "0", 1.5, None):
         out.append({"t": "announce", "id": 6, "dataset": ds, "reader": "r", "shards": [0], "position": position})
         out.append({"t": "progress", "id": 6, "reader": "r", "position": position})

@@ -37,7 +37,7 @@ from kvdata.config import TierConfig
 tier = Tier(TierConfig(name="ram", path=__import__("pathlib").Path(sys.argv[1]), budget=1 << 30))
 tier.ensure()
 o = SharedOrders()
-o.publish([tier], "r1", sys.argv[2].split(","), 1)
+o.publish([tier], "r1", sys.argv[2].split(","), 1, int(sys.argv[3]) if len(sys.argv) > 3 else None)
 print("ready", flush=True)
 for line in sys.stdin:
     cmd, _, arg = line.strip().partition(" ")
@@ -60,8 +60,9 @@ def claims_dir(t: Tier) -> Path:
     return t.locks / f"claims-{os.geteuid()}"
 
 
-def start_publisher(t: Tier, shas: list[str]) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(t.root), ",".join(shas)], stdin=subprocess.PIPE,
+def start_publisher(t: Tier, shas: list[str], next_start: int | None = None) -> subprocess.Popen[str]:
+    extra = [] if next_start is None else [str(next_start)]
+    p = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(t.root), ",".join(shas), *extra], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "ready"
@@ -118,6 +119,9 @@ def test_malformed_orders_are_ignored_and_own_orders_are_not_others(tmp_path: Pa
         "count": orders._header(0, 5) + bytes(32),               # says 5 sha256s, holds 1
         "position": orders._header(9, 1) + bytes(32),            # beyond its sequence
         "huge": orders._header(0, orders.MAX_SHARDS + 1),
+        "next_start": orders._header(0, 1, 2) + bytes(32),      # a next pass beyond its sequence
+        "fields": b"kvorder1 0 1 1 1".ljust(orders.HEADER) + bytes(32),
+        "sign": b"kvorder1 0 1 -1".ljust(orders.HEADER) + bytes(32),
     }
     held = []
     try:
@@ -133,13 +137,27 @@ def test_malformed_orders_are_ignored_and_own_orders_are_not_others(tmp_path: Pa
         fcntl.flock(fd, fcntl.LOCK_SH)
         held.append(fd)
         got = mine.others(t)
-        assert [(x.sequence, x.position) for x in got] == [((SHAS[3], SHAS[4]), 1)]
+        assert [(x.sequence, x.position, x.next_start) for x in got] == [((SHAS[3], SHAS[4]), 1, None)]
     finally:
         for fd in held:
             os.close(fd)
     mine.close()
     assert mine.others(t) == []
     assert not [n for n in os.listdir(d) if n.startswith("order-")]
+
+
+def test_an_orders_next_pass_boundary_travels_with_it(tmp_path: Path) -> None:
+    """The boundary ShardShuffleSampler announces (Demand.next_start) reaches the other
+    processes' planners, and stays as the reader moves."""
+    t = make_tier(tmp_path)
+    mine = SharedOrders()
+    p = start_publisher(t, SHAS, next_start=2)
+    try:
+        assert [(d.sequence, d.position, d.next_start) for d in mine.others(t)] == [(tuple(SHAS), 1, 2)]
+        ask(p, "move 3")
+        assert [(d.position, d.next_start) for d in mine.others(t)] == [(3, 2)]
+    finally:
+        stop(p)
 
 
 def test_a_forked_child_sees_its_parents_order_and_leaves_it_alone(tmp_path: Path) -> None:

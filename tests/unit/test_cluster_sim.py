@@ -20,6 +20,7 @@ import pytest
 
 from kvdata.reader.sampler import ShardShuffleSampler
 from kvdata.tiers import policy
+from kvdata.tiers.engine import KEEP_READING
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -176,9 +177,11 @@ def test_the_keep_set_is_policys() -> None:
     n = node_mod.Node(p, "daemon", dict.fromkeys(range(p.sim_shards), int(p.shard_bytes)))
     n.start_epoch(0.0, [plan.RankEpoch.of(layout, rows0[r]) for r in (0, 1)],
                   [plan.RankEpoch.of(layout, rows1[r]).seq for r in (0, 1)])
-    demands = [policy.Demand(r.announced, 0) for r in n.readers]
-    keep = policy.keep_for_next_pass(demands, n.sizes, int(p.tier_bytes),
-                                     int(p.shard_bytes))
+    # as Engine.keep_set calls it: the boundary the sampler announces, what is resident and held
+    demands = [policy.Demand(r.announced, 0, len(r.ep.seq)) for r in n.readers]
+    assert [d.next_start for d in demands] == [r.next_start for r in n.readers]
+    keep = policy.keep_for_next_pass(demands, n.sizes, int(p.tier_bytes), int(p.shard_bytes), resident={},
+                                     held=set(), reading=KEEP_READING, admitted=None)
     assert keep is not None
     announced = {s for d in demands for s in d.sequence}
     assert set(np.flatnonzero(n.tiers[0].bypass).tolist()) == announced - keep
@@ -211,7 +214,7 @@ def measured_fixture(tmp_path: Path, p: node_mod.Params, sims: dict, bytes_off: 
               "dataset_bytes": p.dataset_bytes, "tier_budget_bytes": p.tier_bytes, "link_rate_bps": p.link_bps,
               "rtt_ms": p.latency * 1e3, "epochs": p.epochs, "seed": p.seed, "exchange": p.exchange,
               "batch_size": p.batch_size, "num_workers": p.num_workers, "daemon": True}
-    runs = [{"sampler": s, "epoch": e["epoch"], "s3_bytes": e["s3_bytes"] * (1 + bytes_off), "s3_requests": 0,
+    runs = [{"sampler": s, "epoch": e["epoch"] + 1, "s3_bytes": e["s3_bytes"] * (1 + bytes_off), "s3_requests": 0,
              "epoch_seconds": e["epoch_s"] * (1 + time_off), "per_node_staged_bytes": e["per_node_staged_bytes"],
              "samples_seen": e["samples"], "exact_once": True}
             for s, r in sims.items() for e in r["epochs"]]
@@ -255,7 +258,7 @@ def test_a_bad_measured_file_is_one_line_naming_the_key(tmp_path: Path, mangle, 
     good = {"params": {"nodes": 2, "ranks_per_node": 1, "samples": 64, "sample_bytes": 1e6, "shard_bytes": 16e6,
                        "shards": 4, "dataset_bytes": 64e6, "tier_budget_bytes": 1e9, "link_rate_bps": 1e9,
                        "rtt_ms": 5, "epochs": 1, "seed": 0, "exchange": 0.1, "batch_size": 4, "num_workers": 0},
-            "runs": [{"sampler": "global", "epoch": 0, "s3_bytes": 1.0, "epoch_seconds": 1.0}]}
+            "runs": [{"sampler": "global", "epoch": 1, "s3_bytes": 1.0, "epoch_seconds": 1.0}]}
     mangle(good)
     f = tmp_path / "bad.json"
     f.write_text(json.dumps(good))
@@ -270,9 +273,12 @@ def test_a_bad_measured_file_is_one_line_naming_the_key(tmp_path: Path, mangle, 
 
 def test_simulating_part_of_the_shards_scales_back() -> None:
     # 1/2 of the shards and of the tiers: the same traffic per dataset, about the same epoch time
-    p = small(dataset_bytes=192 * 16e6, tier_bytes=0.2 * 192 * 16e6, epochs=2)
-    whole = sim.simulate(p, "locality", "daemon")["epochs"]
-    half = sim.simulate(replace(p, scale=2), "locality", "daemon")["epochs"]
-    for a, b in zip(whole, half):
-        assert b["s3_bytes"] == pytest.approx(a["s3_bytes"], rel=0.1)
-        assert b["epoch_s"] == pytest.approx(a["epoch_s"], rel=0.1)
+    # (averaged over 3 seeds: one layout's warm traffic alone varies by about 10% between seeds)
+    def mean_epochs(scale: int) -> list[tuple[float, float]]:
+        runs = [sim.simulate(small(dataset_bytes=192 * 16e6, tier_bytes=0.2 * 192 * 16e6, epochs=2, seed=seed,
+                                   scale=scale), "locality", "daemon")["epochs"] for seed in range(3)]
+        return [(float(np.mean([r[e]["s3_bytes"] for r in runs])), float(np.mean([r[e]["epoch_s"] for r in runs])))
+                for e in range(2)]
+    for (wb, ws), (hb, hs) in zip(mean_epochs(1), mean_epochs(2)):
+        assert hb == pytest.approx(wb, rel=0.1)
+        assert hs == pytest.approx(ws, rel=0.1)

@@ -315,6 +315,38 @@ def test_the_order_and_the_next_are_announced_before_the_first_index() -> None:
     assert sorted(seq[10:]) == sorted(set(ds.sample_shards[sampler.indices(1)].tolist()))
 
 
+def test_the_sampler_says_where_the_next_epoch_starts_in_what_it_announces() -> None:
+    """With many ranks a rank's next epoch may share no shard with this one, and the stager
+    cannot find the boundary itself (policy.next_pass_start): the sampler passes it to an
+    announce() that takes `next_start`; a wrapper with the older signature still gets the order."""
+    from kvdata.reader.sampler import ShardShuffleSampler
+
+    class Listening:
+        wants_orders = True
+
+        def __init__(self) -> None:
+            self.sample_shards = np.repeat(np.arange(64, dtype=np.uint32), 4)
+            self.announced: list[tuple[list, int | None]] = []
+
+        def announce(self, reader: str, seq: list, position: int = 0, next_start: int | None = None) -> None:
+            self.announced.append((seq, next_start))
+
+        def progress(self, reader: str, position: int) -> None:
+            pass
+
+    class KeywordsOnly(Listening):
+        def announce(self, reader: str, seq: list, position: int = 0, **kw) -> None:  # type: ignore[override]
+            self.announced.append((seq, kw.get("next_start")))
+
+    for ds in (Listening(), KeywordsOnly()):
+        for rank in range(8):  # 8 ranks of 8 shards each: some ranks' next 8 share none of this epoch's
+            mine = list(ShardShuffleSampler(ds, seed=5, world_size=8, rank=rank))
+            seq, next_start = ds.announced[-1]
+            this = sorted(set(ds.sample_shards[mine].tolist()))
+            assert next_start == len(this) and sorted(seq[:next_start]) == this
+            assert len(seq) - next_start == len(set(seq[next_start:]))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_planned_shard_sequence_covers_the_ranks_shards_in_window_order(seed: int) -> None:
     """order.planned_shard_sequence (the next epoch's plan announced with this epoch's order)

@@ -14,7 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdata.tiers.policy import Demand, TierPlan, eviction_order, next_uses, plan_eviction, plan_tier
+from kvdata.tiers.policy import (
+    Demand,
+    TierPlan,
+    eviction_order,
+    next_pass_start,
+    next_uses,
+    plan_eviction,
+    plan_tier,
+)
 
 # ---------------------------------------------------------------- the scenario of the docs
 
@@ -248,6 +256,27 @@ def test_keep_for_next_pass_keeps_what_the_next_pass_reads_first() -> None:
     # two readers: the earliest next use over both, unknown sizes at the default
     other = Demand(tuple("xyz") + tuple("zyx"), 0)
     assert keep_for_next_pass([Demand(tuple(seq), 0), other], sizes, 40, default_size=10) == {"h", "z", "g", "y"}
+
+
+def test_an_announced_next_pass_is_kept_even_when_it_shares_no_shard_with_this_one() -> None:
+    """A rank of many: its next epoch's shards are another part of the dataset, none of this
+    epoch's. The boundary cannot be inferred from a repeat (next_pass_start sees one pass and
+    nothing would be worth keeping: every shard staged whole, thrashing); the sampler says it."""
+    from kvdata.tiers.policy import keep_for_next_pass
+
+    this, nxt = tuple("abcd"), tuple("wxyz")
+    sizes = {k: 10 for k in this + nxt}
+    assert next_pass_start(this + nxt) == 8                                         # not inferable
+    assert keep_for_next_pass([Demand(this + nxt, 0)], sizes, 30) is None
+    assert keep_for_next_pass([Demand(this + nxt, 0, next_start=4)], sizes, 30) == {"w", "x", "y"}
+    # a boundary that says "no next pass", and out-of-range ones (taken as not given)
+    assert keep_for_next_pass([Demand(this + nxt, 0, next_start=8)], sizes, 30) is None
+    assert Demand(this + nxt, 0, next_start=9).pass_end() == 8
+    assert Demand(tuple("abcd") + tuple("dcba"), 0, next_start=-1).pass_end() == 4
+    # where the inference would cut elsewhere, the announced boundary wins
+    seq = tuple("abcab") + tuple("cd")             # this pass a,b,c,a,b (a reader revisits); next c,d
+    assert next_pass_start(seq) == 3
+    assert keep_for_next_pass([Demand(seq, 0, next_start=5)], {k: 10 for k in "abcd"}, 10) == {"c"}
 
 
 @settings(max_examples=200, deadline=None)
