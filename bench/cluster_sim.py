@@ -264,6 +264,8 @@ def describe(p: Params) -> str:
             f"S3 {'unlimited' if p.prefixes == 0 else f'{p.prefixes} prefix(es) x {p.get_limit:,.0f} GET/s'}, "
             f"first byte {p.latency * 1e3:g} ms, {p.part_bytes / 2**20:g} MiB ranged GETs, "
             f"{'GPUs in step (DDP)' if p.lockstep else 'ranks at their own pace'}, {p.epochs} epochs"
+            f"{f', {p.start_s:g} s to start each epoch' if p.start_s else ''}"
+            f"{f', S3 server {p.server_bps / MB:g} MB/s in all' if p.server_bps else ''}"
             f"{'; WHAT-IF: bypassed shards read whole, not by record' if p.bypass_whole else ''}; simulated: "
             f"{len(detail_nodes(p))} node(s), 1/{p.scale} of the shards ({p.sim_shards:,}) and tiers, "
             f"{p.sim_slots} slots per shard, tick {p.dt:.3g} s")
