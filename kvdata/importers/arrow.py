@@ -25,7 +25,6 @@ with --workers 2 instead of 1; 256x256 JPEGs 630-700 -> 920-940 images/s.
 
 from __future__ import annotations
 
-import io
 import json
 import mmap
 import multiprocessing
@@ -35,23 +34,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from .. import format as fmt
 from .._util.progress import progress as make_progress
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
 from ..reader.open import open_dataset
+from . import shared_ring
 from .arrow_sources import Plan, Source, batches, find_files, find_hf, plan_sources
 from .arrow_types import BYTES, IMAGE, INSTALL, BadValue, NoBytes, column_values
 from .common import summary
-from .records import check_common, decode_workers
+from .records import check_common, decode_image, decode_workers, looks_like_image
 
 REGION_BYTES = 64 << 20   # decoded pixels of one batch that workers hand over in shared memory
 MAX_BAD_LISTED = 1000     # bad records a summary lists (all are counted)
 EXTRA_KEY = "import"      # the manifest key (Manifest.extra) that records the source's split and schema
-# The formats Pillow may open: hostile bytes never reach its rarer decoders.
-PIL_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP")
-_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
 
 
 class Row(NamedTuple):
@@ -161,51 +156,12 @@ def _convert(batch: Any, plan: Plan, src: Source, first_row: int, key_first: int
 
 # ---------------------------------------------------------------- decoding images (workers)
 
-def looks_like_image(data: bytes) -> bool:
-    """Whether `data` starts like a JPEG/PNG/GIF/BMP/TIFF/WebP file."""
-    return data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
-
-
-def decode_image(data: bytes, decode: str) -> np.ndarray:
-    """HWC uint8 pixels of encoded image bytes; InvalidValueError with Pillow's reason."""
-    from PIL import Image
-
-    if not looks_like_image(data):
-        raise InvalidValueError("the bytes are not a JPEG/PNG/GIF/BMP/TIFF/WebP image")
-    try:
-        with Image.open(io.BytesIO(data), formats=PIL_FORMATS) as opened:
-            pixels = np.asarray(opened.convert("RGB" if decode == "rgb" else "L"), dtype=np.uint8)
-    except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError, DecompressionBombError ...
-        reason = (str(e).splitlines() or [""])[0][:200]
-        raise InvalidValueError(f"Pillow cannot decode the image ({type(e).__name__}: {reason})") from None
-    if pixels.ndim == 2:
-        pixels = pixels[:, :, None]
-    return np.ascontiguousarray(pixels)
-
-
-class _InRing(NamedTuple):
-    """Decoded pixels a worker wrote into the shared ring: where, and the array's shape."""
-
-    offset: int
-    shape: tuple[int, ...]
-
-
-# The shared ring of a pool worker process, set by the pool's initializer in that process only.
-_worker_ring: mmap.mmap | None = None
-
-
-def _init_worker(ring: mmap.mmap | None) -> None:
-    global _worker_ring
-    _worker_ring = ring
-
-
 def _decode_chunk(task: tuple[str, int, int, list[tuple[tuple[str, Any], ...]]]) -> list[dict[str, Any] | str]:
     """Decode the images of some rows: per row its decoded fields, or why one cannot be decoded
     (bad input never raises: the parent decides whether it fails the import). Pixels go into
     the ring's [start, start + size) while they fit, the rest travel back pickled."""
     decode, pos, size, rows = task
-    end = pos + size
-    ring = _worker_ring
+    place = shared_ring.Slice(pos, size).place
     out: list[dict[str, Any] | str] = []
     for imgs in rows:
         fields: dict[str, Any] | str = {}
@@ -216,12 +172,7 @@ def _decode_chunk(task: tuple[str, int, int, list[tuple[tuple[str, Any], ...]]])
                 fields = f"column {name!r}: {e}"
                 break
             assert isinstance(fields, dict)
-            if ring is not None and pos + px.nbytes <= end:
-                np.frombuffer(ring, np.uint8, px.nbytes, pos)[:] = px.reshape(-1)
-                fields[name] = _InRing(pos, px.shape)
-                pos += -(-px.nbytes // 64) * 64
-            else:
-                fields[name] = px
+            fields[name] = place(px)
         out.append(fields)
     return out
 
@@ -248,8 +199,7 @@ class _Pending:
         for chunk in self.handle.get():
             for fields in chunk:
                 if isinstance(fields, dict) and ring is not None:
-                    fields = {name: np.frombuffer(ring, np.uint8, int(np.prod(v.shape)), v.offset).reshape(v.shape)
-                              if isinstance(v, _InRing) else v for name, v in fields.items()}
+                    fields = {name: shared_ring.view(ring, v) for name, v in fields.items()}
                 out.append(fields)
         return out  # the only references to the views: the caller puts them and lets go
 
@@ -270,10 +220,10 @@ class Decoder:
             return
         ctx: Any = multiprocessing.get_context()
         if "fork" in multiprocessing.get_all_start_methods():
-            self.ring = mmap.mmap(-1, 2 * REGION_BYTES)
+            self.ring = shared_ring.make_ring(2, REGION_BYTES)
             ctx = multiprocessing.get_context("fork")
         # else spawn cannot hand the mapping over: results are pickled
-        self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(self.ring,))
+        self.pool = ctx.Pool(workers, initializer=shared_ring.init_worker, initargs=(self.ring,))
 
     def submit(self, tasks: list[tuple[tuple[str, Any], ...]]) -> _Done | _Pending:
         """Start decoding one batch (one tuple of (column, bytes) per row; empty: no image)."""

@@ -12,20 +12,22 @@ What workers buy: decoding (Pillow) runs in them, but every record's bytes still
 through the parent (unpickle, encode, LMDB put, the seal's sha256). Measured on 2,000
 128x128 JPEGs, --decode rgb: workers spend ~420-530 us of CPU per record, the parent
 ~260-275 us with a pool (~400-560 us when it decodes itself), so more workers pay only
-while the parent has a core of its own; on a box of 2 busy cores they do not
-(bench/imports.py: 0.85x (256x256) to 1.09x (128x96) with 2 workers). The decoded pixels
-cross a pipe as pickles, read by the pool's result thread against the writer's GIL; the
-Arrow importer's shared-memory hand-off (arrow.Decoder) is what would lift that. Without
-decoding no pool is started at all (decode_workers).
+while the parent has a core of its own. Decoded pixels come back through a shared mapping
+(shared_ring.py), not pickled through the pool's pipe: tasks go out in batches, each task
+of a batch with its own slice of one of two regions, and a region is reused only once the
+writer has put the batch that used it. Without decoding no pool is started at all
+(decode_workers).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import mmap
 import multiprocessing
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -36,9 +38,14 @@ from .._util.progress import progress as make_progress
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
 from ..reader.open import open_dataset
+from . import shared_ring
 from .common import summary
 
 DECODE_MODES = ("none", "rgb", "gray")
+# The formats Pillow may open: hostile bytes never reach its rarer decoders.
+PIL_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP")
+# Decoded arrays of one batch that workers hand over in shared memory (two such regions).
+REGION_BYTES = 64 << 20
 # What an encoded image starts with: only bytes that look like an image are given to Pillow.
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
 # How many bad records a summary lists (all are counted).
@@ -78,11 +85,13 @@ def decode_image(data: bytes, decode: str) -> np.ndarray:
     Raises InvalidValueError with Pillow's reason; the caller names the record."""
     from PIL import Image
 
+    if not looks_like_image(data):
+        raise InvalidValueError("the bytes are not a JPEG/PNG/GIF/BMP/TIFF/WebP image")
     try:
-        with Image.open(io.BytesIO(data)) as opened:
+        with Image.open(io.BytesIO(data), formats=PIL_FORMATS) as opened:
             pixels = np.asarray(opened.convert("RGB" if decode == "rgb" else "L"), dtype=np.uint8)
     except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError, DecompressionBombError ...
-        reason = str(e).splitlines()[0] if str(e) else ""
+        reason = (str(e).splitlines() or [""])[0][:200]
         raise InvalidValueError(f"Pillow cannot decode the image ({type(e).__name__}: {reason})") from None
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
@@ -106,16 +115,6 @@ def check_common(decode: str, workers: Any, shard_size: int | str | None, instal
             raise ConfigError(f"decode={decode!r} needs Pillow; install it with `{install_hint}`") from None
 
 
-def make_pool(workers: int) -> Any:
-    """A fork pool for workers >= 2 (None: load in-process). Made before the store opens, so
-    children inherit no LMDB handle or writer lock."""
-    if workers <= 1:
-        return None
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
-    return ctx.Pool(workers)
-
-
 def decode_workers(workers: int, decode: str) -> int:
     """The worker processes worth starting for `workers` requested: none when nothing is decoded.
 
@@ -128,38 +127,122 @@ def decode_workers(workers: int, decode: str) -> int:
     return int(workers) if decode != "none" else 0
 
 
+class Workers(NamedTuple):
+    """An import's worker processes and the shared mapping they hand decoded arrays over in
+    (None where this platform cannot fork: arrays then travel pickled)."""
+
+    pool: Any
+    ring: mmap.mmap | None
+
+
+def make_pool(workers: int) -> Workers | None:
+    """A fork pool for workers >= 2 (None: load in-process), its processes given the shared
+    mapping. Made before the store opens, so children inherit no LMDB handle or writer lock."""
+    if workers <= 1:
+        return None
+    if "fork" in multiprocessing.get_all_start_methods():
+        ring: mmap.mmap | None = shared_ring.make_ring(2, REGION_BYTES)
+        ctx: Any = multiprocessing.get_context("fork")
+    else:
+        ring, ctx = None, multiprocessing.get_context()
+    return Workers(ctx.Pool(workers, initializer=shared_ring.init_worker, initargs=(ring,)), ring)
+
+
 @contextlib.contextmanager
-def worker_pool(workers: int, decode: str) -> Iterator[Any]:
-    """make_pool's pool for the whole import (scan and load), terminated at the end; None
+def worker_pool(workers: int, decode: str) -> Iterator[Workers | None]:
+    """make_pool's workers for the whole import (scan and load), terminated at the end; None
     (everything in-process) for workers <= 1 or decode="none" (decode_workers)."""
     pool = make_pool(decode_workers(workers, decode))
     try:
         yield pool
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.pool.terminate()
+            pool.pool.join()
+            if pool.ring is not None:
+                try:
+                    pool.ring.close()
+                except BufferError:  # a caller still holds a view; the mapping goes with it
+                    pass
 
 
-def map_ordered(pool: Any, fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
+def map_ordered(pool: Workers | None, fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
     """fn over items, in order: in the pool's processes (one item each) or in-process."""
-    return map(fn, items) if pool is None else pool.imap(fn, items, chunksize=1)
+    return map(fn, items) if pool is None else pool.pool.imap(fn, items, chunksize=1)
 
 
-def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], pool: Any,
+def _load_chunk(task: tuple[Callable[[Any], Iterable[Loaded | Bad]], int, int, list[Any]]) -> list[Loaded | Bad]:
+    """In a worker: load some tasks, the arrays of their records placed into this chunk's
+    slice [pos, pos + size) of the shared mapping while they fit."""
+    load, pos, size, items = task
+    place = shared_ring.Slice(pos, size).place
+    out: list[Loaded | Bad] = []
+    for item in items:
+        for r in load(item):
+            if isinstance(r, Loaded):
+                r = r._replace(value={k: place(v) for k, v in r.value.items()})
+            out.append(r)
+    return out
+
+
+# Tasks a batch starts with; then as many as the last batch's arrays say fit a region.
+FIRST_BATCH = 64
+MAX_BATCH = 4096
+
+
+def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], pool: Workers | None,
             workers: int) -> Iterator[Loaded | Bad]:
-    """Results in task order (ordered imap: the dataset does not depend on the worker count)."""
+    """Results in task order (the dataset does not depend on the worker count). With a pool:
+    batches of tasks, two in flight, each into its own region of the shared mapping; a
+    region is handed out again once every record of the batch that used it was yielded (the
+    writer has put it: the views it got are not read again)."""
     if pool is None:
         for task in tasks:
             yield from load(task)
         return
-    for results in pool.imap(load, tasks, chunksize=max(1, min(16, len(tasks) // (workers * 8)))):
-        yield from results
+    chunks = max(1, workers) * 2
+    slice_bytes = (REGION_BYTES // chunks) // shared_ring.ALIGN * shared_ring.ALIGN
+    pending: deque[tuple[Any, int]] = deque()
+    state = {"next": 0, "turn": 0, "batch": FIRST_BATCH}
+
+    def submit() -> None:
+        start = state["next"]
+        items = tasks[start:start + state["batch"]]
+        if not items:
+            return
+        state["next"] = start + len(items)
+        base = (state["turn"] % 2) * REGION_BYTES
+        state["turn"] += 1
+        per = -(-len(items) // chunks)
+        work = [(load, base + j * slice_bytes, slice_bytes, items[j * per:(j + 1) * per]) for j in range(chunks)]
+        pending.append((pool.pool.map_async(_load_chunk, [w for w in work if w[3]], chunksize=1), len(items)))
+
+    submit()
+    submit()
+    ring = pool.ring
+    while pending:
+        handle, count = pending.popleft()
+        placed = 0
+        for chunk in handle.get():
+            for r in chunk:
+                if isinstance(r, Loaded):
+                    value = {}
+                    for k, v in r.value.items():
+                        if isinstance(v, shared_ring.InRing):
+                            placed += int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize
+                        value[k] = shared_ring.view(ring, v)
+                    r = r._replace(value=value)
+                yield r
+        if placed:  # size the next batches so that a batch's arrays fill about 3/4 of a region
+            per_task = placed / count
+            state["batch"] = int(min(MAX_BATCH, max(chunks, 0.75 * REGION_BYTES / per_task)))
+        submit()
 
 
 def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], dataset: str | os.PathLike[str], *,
-                  total: int, pool: Any, workers: int, skip_bad: bool, scan_bad: list[Bad], shard_size: int | str | None,
-                  compress: bool, progress: bool | None, started: float, ignored: int = 0) -> dict[str, Any]:
+                  total: int, pool: Workers | None, workers: int, skip_bad: bool, scan_bad: list[Bad],
+                  shard_size: int | str | None, compress: bool, progress: bool | None, started: float,
+                  ignored: int = 0) -> dict[str, Any]:
     """Put every record the tasks load (in `pool`, from worker_pool, made before the dataset
     opens), in order, and commit once; return the summary.
 

@@ -299,6 +299,38 @@ def test_workers_with_decode_none_read_in_process(tmp_path, wds_shards, tfrecord
                 assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, (name, k, f)
 
 
+@pytest.mark.parametrize("region, first", [(None, 2), (256, 64)], ids=["shared-ring", "pickled"])
+def test_decoding_workers_hand_arrays_over_in_shared_memory(tmp_path, wds_shards, tfrecords, monkeypatch,
+                                                            region, first):
+    """With --decode, workers place decoded pixels (and the other arrays of a record: wds .npy)
+    in a shared mapping instead of pickling them back. Batches of 2 tasks make the two regions
+    turn over many times, so a region handed out again before the writer put its batch would
+    show as wrong pixels; a region too small for any array sends them all pickled."""
+    from kvdata.importers import records
+
+    monkeypatch.setattr(records, "FIRST_BATCH", first)
+    if region is not None:
+        monkeypatch.setattr(records, "REGION_BYTES", region)
+    for name, run, src in (("wds", import_wds, wds_shards[0]), ("tfrecord", import_tfrecord, tfrecords[0])):
+        one = run([src], tmp_path / f"{name}-0", decode="rgb", progress=False)
+        two = run([src], tmp_path / f"{name}-2", decode="rgb", workers=2, progress=False)
+        assert one["imported"] == two["imported"] > 0
+        a, b = _read_all(tmp_path / f"{name}-0"), _read_all(tmp_path / f"{name}-2")
+        assert list(a) == list(b)
+        for k in a:
+            assert a[k].keys() == b[k].keys()
+            for f in a[k]:
+                x, y = a[k][f], b[k][f]
+                if isinstance(x, np.ndarray):
+                    assert x.dtype == y.dtype and np.array_equal(x, y), (name, k, f)
+                else:
+                    assert x == y, (name, k, f)
+    decoded = _read_all(tmp_path / "wds-2")
+    for k, e in wds_shards[1].items():
+        assert decoded[k]["png"].dtype == np.uint8
+        np.testing.assert_array_equal(decoded[k]["png"], e["pixels"])
+
+
 def test_damaged_tfrecords_are_refused_naming_file_and_record(tmp_path, cli):
     frames = [_frame(example_bytes({"v": ("int", [i])})) for i in range(5)]
     data_bad = tmp_path / "data.tfrecord"
