@@ -82,6 +82,7 @@ class Params:
     start_s: float = 0.0              # s from an epoch's start to a rank's first read (DataLoader workers
                                       # started per epoch, the barrier); staging runs meanwhile
     keep_ttl: float = KEEP_TTL        # s the keep set is trusted before it is taken again (Engine.keep_set)
+    keep_ticks: int = 1               # ... and at least this many ticks (a coarser, cheaper simulation)
     server_bps: float = 0.0           # bytes/s the S3 server sends to all nodes together (0: no limit;
                                       # a test server on a shared machine has one); an even share per node
     batch_size: int = 256
@@ -164,15 +165,19 @@ class Tier:
     inflight: dict[int, Job] = field(default_factory=dict)
     readers: list[Reader] = field(default_factory=list)
     keep_at: float = -INF         # when the keep set is taken again (Engine.keep_set's cache)
+    keep_basis: tuple = ()        # what the last keep set was taken from (the same: the same set)
+    version: int = 0              # bumped when a copy lands or goes
     admitted: tuple[int, set[int] | None] = (0, None)   # (the orders, the set their readers went by)
 
     def add(self, shard: int, size: int) -> None:
         self.resident[shard] = size
         self.is_res[shard] = True
+        self.version += 1
 
     def evict(self, shard: int) -> None:
         self.used -= self.resident.pop(shard)
         self.is_res[shard] = False
+        self.version += 1
 
     def demands(self) -> list[policy.Demand]:
         """Every order announced into this tier (kvdata.tiers.orders: the engines of the other
@@ -327,6 +332,7 @@ class Node:
             r.reset_epoch(t0)
         for t in self.tiers:
             t.keep_at = t0 + self.p.keep_ttl
+            t.keep_basis = ()               # new orders: taken anew
             self._keep(t)
         for e in self.engines:
             e.dirty = True
@@ -338,6 +344,15 @@ class Node:
         holds and what readers map, as Engine.keep_set takes it (every keep_ttl seconds)."""
         p = self.p
         demands = tier.demands()
+        # keep_for_next_pass is a pure function of the orders, their positions, what is
+        # resident and what readers hold (the furthest shard each touched): when none of
+        # these moved since the last call, the set is the same -- not taken again (the
+        # simulation's own saving: the engine recomputes it every KEEP_TTL regardless)
+        reach = tuple(r.ep.furthest(r.cursor) if r.ep is not None else -1 for r in tier.readers)
+        now = (tuple(id(d.sequence) for d in demands), tuple(d.position for d in demands), reach, tier.version)
+        if now == tier.keep_basis:
+            return
+        tier.keep_basis = now
         room = int(tier.budget)
         held = tier.held(self.max_open[id(tier)])
         basis = hash(tuple(d.sequence for d in demands))
@@ -370,7 +385,7 @@ class Node:
         self._link = self.node_bps * dt
         for tier in self.tiers:
             if t >= tier.keep_at:          # Engine.keep_set: taken again once its KEEP_TTL is out
-                tier.keep_at = t + self.p.keep_ttl
+                tier.keep_at = t + max(self.p.keep_ttl, self.p.keep_ticks * dt - 1e-9)
                 self._keep(tier)
         self._tokens = self.get_share * dt + self.tokens_left
         cands = []

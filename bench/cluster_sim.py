@@ -282,6 +282,7 @@ def run_scale(a: argparse.Namespace, base: Params) -> tuple[str, dict[str, Any]]
                 p = replace(p, scale=auto_scale(p, a.max_node_shards))
             if a.dt is None:
                 p = replace(p, dt=auto_dt(p))
+            p = replace(p, keep_ticks=a.keep_ticks or (8 if p.scale > 1 else 1))
             print(f"N={n}, prefixes={pref}: {describe(p)}", file=sys.stderr)
             runs = [simulate(p, s, m, show=not a.quiet) for s in a.samplers for m in a.modes]
             results["runs"].extend(runs)
@@ -499,6 +500,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=_pos(int), default=d.workers, help="staging jobs per Engine")
     ap.add_argument("--verify-gbps", type=_pos(float), default=d.verify_bps / GB, help="GB/s per staging job")
     ap.add_argument("--record-gets", type=_pos(float), default=d.record_gets_per_sample, help="GETs per sample read by record")
+    ap.add_argument("--keep-ticks", type=_pos(int), default=None,
+                    help="take the keep set again at most every this many ticks (default: 1 when every shard "
+                         "is simulated, 8 when --scale > 1: the engine's KEEP_TTL is finer than a tick there)")
     ap.add_argument("--lookahead", type=_pos(int), default=d.lookahead)
     ap.add_argument("--window", type=_pos(int), default=d.window)
     ap.add_argument("--exchange", type=_pos(float, strict=False), default=d.exchange)
