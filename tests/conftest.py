@@ -41,3 +41,20 @@ tests/integration/conftest.py; helper classes and functions in the `helpers` pac
 """
 
 pytest_plugins = ("helpers.guards",)
+
+
+def pytest_sessionstart(session: object) -> None:
+    """Byte-compile kvdata and daemon once, before any test starts a process.
+
+    Hundreds of tests start Python processes that import kvdata (the CLI, kvdatad, spawned
+    DataLoader workers, ranks). An editable install has no .pyc files, and where
+    PYTHONDONTWRITEBYTECODE is set (this project's machines set it) the import system never
+    writes them, so every one of those processes compiled ~100 modules again: `kvdata info`
+    took 0.64 s, 0.45 s with __pycache__ present. compileall writes them whatever that
+    variable says and skips what is up to date; the files are gitignored."""
+    import compileall
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for package in ("kvdata", "daemon"):
+        compileall.compile_dir(str(root / package), quiet=1)
