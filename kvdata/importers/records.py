@@ -185,23 +185,24 @@ def _load_chunk(task: tuple[Callable[[Any], Iterable[Loaded | Bad]], int, int, l
     return out
 
 
-# Tasks a batch starts with; then as many as the last batch's arrays say fit a region.
-FIRST_BATCH = 64
+# Tasks in an import's first batch; later batches take as many tasks as the arrays of the last
+# batch say fill about 3/4 of a region (at least one per worker chunk, at most MAX_BATCH).
+FIRST_BATCH = 4
 MAX_BATCH = 4096
 
 
 def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], pool: Workers | None,
             workers: int) -> Iterator[Loaded | Bad]:
     """Results in task order (the dataset does not depend on the worker count). With a pool:
-    batches of tasks, two in flight, each into its own region of the shared mapping; a
-    region is handed out again once every record of the batch that used it was yielded (the
-    writer has put it: the views it got are not read again)."""
+    batches of tasks, two in flight, each into its own region of the shared mapping, split
+    among the batch's chunks (2 per worker); a region is handed out again once every record of
+    the batch that used it was yielded (the writer has put it: the views it got are not read
+    again)."""
     if pool is None:
         for task in tasks:
             yield from load(task)
         return
     chunks = max(1, workers) * 2
-    slice_bytes = (REGION_BYTES // chunks) // shared_ring.ALIGN * shared_ring.ALIGN
     pending: deque[tuple[Any, int]] = deque()
     state = {"next": 0, "turn": 0, "batch": FIRST_BATCH}
 
@@ -214,28 +215,30 @@ def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], poo
         base = (state["turn"] % 2) * REGION_BYTES
         state["turn"] += 1
         per = -(-len(items) // chunks)
-        work = [(load, base + j * slice_bytes, slice_bytes, items[j * per:(j + 1) * per]) for j in range(chunks)]
-        pending.append((pool.pool.map_async(_load_chunk, [w for w in work if w[3]], chunksize=1), len(items)))
+        parts = [items[j:j + per] for j in range(0, len(items), per)]
+        size = (REGION_BYTES // len(parts)) // shared_ring.ALIGN * shared_ring.ALIGN
+        work = [(load, base + j * size, size, part) for j, part in enumerate(parts)]
+        pending.append((pool.pool.map_async(_load_chunk, work, chunksize=1), len(items)))
 
     submit()
     submit()
     ring = pool.ring
     while pending:
         handle, count = pending.popleft()
-        placed = 0
+        nbytes = 0  # every array's bytes, in the mapping or pickled: what the next batches size by
         for chunk in handle.get():
             for r in chunk:
                 if isinstance(r, Loaded):
                     value = {}
                     for k, v in r.value.items():
-                        if isinstance(v, shared_ring.InRing):
-                            placed += int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize
-                        value[k] = shared_ring.view(ring, v)
+                        v = shared_ring.view(ring, v)
+                        if isinstance(v, np.ndarray):
+                            nbytes += v.nbytes
+                        value[k] = v
                     r = r._replace(value=value)
                 yield r
-        if placed:  # size the next batches so that a batch's arrays fill about 3/4 of a region
-            per_task = placed / count
-            state["batch"] = int(min(MAX_BATCH, max(chunks, 0.75 * REGION_BYTES / per_task)))
+        if nbytes:
+            state["batch"] = int(min(MAX_BATCH, max(chunks, 0.75 * REGION_BYTES * count / nbytes)))
         submit()
 
 

@@ -299,7 +299,7 @@ def test_workers_with_decode_none_read_in_process(tmp_path, wds_shards, tfrecord
                 assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, (name, k, f)
 
 
-@pytest.mark.parametrize("region, first", [(None, 2), (256, 64)], ids=["shared-ring", "pickled"])
+@pytest.mark.parametrize("region, first", [(None, 2), (256, 4096)], ids=["shared-ring", "pickled"])
 def test_decoding_workers_hand_arrays_over_in_shared_memory(tmp_path, wds_shards, tfrecords, monkeypatch,
                                                             region, first):
     """With --decode, workers place decoded pixels (and the other arrays of a record: wds .npy)
@@ -309,6 +309,7 @@ def test_decoding_workers_hand_arrays_over_in_shared_memory(tmp_path, wds_shards
     from kvdata.importers import records
 
     monkeypatch.setattr(records, "FIRST_BATCH", first)
+    monkeypatch.setattr(records, "MAX_BATCH", first)
     if region is not None:
         monkeypatch.setattr(records, "REGION_BYTES", region)
     for name, run, src in (("wds", import_wds, wds_shards[0]), ("tfrecord", import_tfrecord, tfrecords[0])):
