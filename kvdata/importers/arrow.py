@@ -238,14 +238,7 @@ class Decoder:
         return _Pending(self.pool.map_async(_decode_chunk, [w for w in work if w[3]], chunksize=1), self.ring)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-        if self.ring is not None:
-            try:
-                self.ring.close()
-            except BufferError:  # a caller still holds a view; the mapping goes with it
-                pass
+        shared_ring.close_pool(self.pool, self.ring)
 
 
 # ---------------------------------------------------------------- writing

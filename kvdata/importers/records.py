@@ -157,13 +157,7 @@ def worker_pool(workers: int, decode: str) -> Iterator[Workers | None]:
         yield pool
     finally:
         if pool is not None:
-            pool.pool.terminate()
-            pool.pool.join()
-            if pool.ring is not None:
-                try:
-                    pool.ring.close()
-                except BufferError:  # a caller still holds a view; the mapping goes with it
-                    pass
+            shared_ring.close_pool(pool.pool, pool.ring)
 
 
 def map_ordered(pool: Workers | None, fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:

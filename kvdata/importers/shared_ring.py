@@ -83,3 +83,16 @@ def view(ring: mmap.mmap | None, value: Any) -> Any:
 def make_ring(regions: int, region_bytes: int) -> mmap.mmap:
     """An anonymous shared mapping of `regions` x `region_bytes`, made before the fork."""
     return mmap.mmap(-1, regions * region_bytes)
+
+
+def close_pool(pool: Any, ring: mmap.mmap | None) -> None:
+    """End the worker pool, then unmap the ring (unless a caller still holds a view of it:
+    the mapping then goes with the last view)."""
+    if pool is not None:
+        pool.terminate()
+        pool.join()
+    if ring is not None:
+        try:
+            ring.close()
+        except BufferError:
+            pass

@@ -286,9 +286,15 @@ def test_workers_with_decode_none_read_in_process(tmp_path, wds_shards, tfrecord
     from kvdata.importers.records import decode_workers
 
     assert decode_workers(2, "none") == 0 and decode_workers(2, "rgb") == 2 and decode_workers(3, "gray") == 3
+    _same_with_0_and_2_workers(tmp_path, wds_shards, tfrecords, decode="none")
+
+
+def _same_with_0_and_2_workers(tmp_path: Path, wds_shards, tfrecords, decode: str) -> None:
+    """wds and tfrecord imports with no worker and with 2: record for record the same (arrays
+    of the same dtype and values)."""
     for name, run, src in (("wds", import_wds, wds_shards[0]), ("tfrecord", import_tfrecord, tfrecords[0])):
-        one = run([src], tmp_path / f"{name}-0", progress=False)
-        two = run([src], tmp_path / f"{name}-2", workers=2, progress=False)
+        one = run([src], tmp_path / f"{name}-0", decode=decode, progress=False)
+        two = run([src], tmp_path / f"{name}-2", decode=decode, workers=2, progress=False)
         assert one["imported"] == two["imported"] > 0
         a, b = _read_all(tmp_path / f"{name}-0"), _read_all(tmp_path / f"{name}-2")
         assert list(a) == list(b)
@@ -296,7 +302,10 @@ def test_workers_with_decode_none_read_in_process(tmp_path, wds_shards, tfrecord
             assert a[k].keys() == b[k].keys()
             for f in a[k]:
                 x, y = a[k][f], b[k][f]
-                assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, (name, k, f)
+                if isinstance(x, np.ndarray):
+                    assert x.dtype == y.dtype and np.array_equal(x, y), (name, k, f)
+                else:
+                    assert x == y, (name, k, f)
 
 
 @pytest.mark.parametrize("region, first", [(None, 2), (256, 4096)], ids=["shared-ring", "pickled"])
@@ -312,20 +321,7 @@ def test_decoding_workers_hand_arrays_over_in_shared_memory(tmp_path, wds_shards
     monkeypatch.setattr(records, "MAX_BATCH", first)
     if region is not None:
         monkeypatch.setattr(records, "REGION_BYTES", region)
-    for name, run, src in (("wds", import_wds, wds_shards[0]), ("tfrecord", import_tfrecord, tfrecords[0])):
-        one = run([src], tmp_path / f"{name}-0", decode="rgb", progress=False)
-        two = run([src], tmp_path / f"{name}-2", decode="rgb", workers=2, progress=False)
-        assert one["imported"] == two["imported"] > 0
-        a, b = _read_all(tmp_path / f"{name}-0"), _read_all(tmp_path / f"{name}-2")
-        assert list(a) == list(b)
-        for k in a:
-            assert a[k].keys() == b[k].keys()
-            for f in a[k]:
-                x, y = a[k][f], b[k][f]
-                if isinstance(x, np.ndarray):
-                    assert x.dtype == y.dtype and np.array_equal(x, y), (name, k, f)
-                else:
-                    assert x == y, (name, k, f)
+    _same_with_0_and_2_workers(tmp_path, wds_shards, tfrecords, decode="rgb")
     decoded = _read_all(tmp_path / "wds-2")
     for k, e in wds_shards[1].items():
         assert decoded[k]["png"].dtype == np.uint8
