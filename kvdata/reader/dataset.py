@@ -120,7 +120,10 @@ class Dataset(torch.utils.data.Dataset):
         n = len(entries)
         seq = [entries[s] for s in shard_ids if s < n]  # the open tail is never staged
         if next_start is not None:  # the same boundary in the sequence without the tail
-            next_start = sum(1 for s in shard_ids[:next_start] if s < n)
+            if isinstance(next_start, bool) or not 0 <= int(next_start) <= len(shard_ids):
+                raise ValueError(f"next_start must be an index into shard_ids (0..{len(shard_ids)}), "
+                                 f"not {next_start!r}")
+            next_start = sum(1 for s in shard_ids[:int(next_start)] if s < n)
         source.announce(reader, seq, position, next_start)
 
     def progress(self, reader: str, position: int) -> None:

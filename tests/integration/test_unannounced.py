@@ -234,6 +234,32 @@ def test_dataloader_workers_see_the_samplers_announcement(tmp_path: Path, env_co
     dataset.store.close()
 
 
+def test_the_next_epochs_start_reaches_the_engine(tmp_path: Path, env_config: Any) -> None:
+    """Dataset.announce carries ShardShuffleSampler's next_start to the staging engine: where
+    the next epoch begins in the sequence, moved to match when ids of the open tail (never
+    staged) are dropped from it; an index outside the ids is a clear error."""
+    ds = build_dataset(tmp_path / "ds", n=192, compress=False)
+    env_config(total_of(ds) // 4)
+    dataset = kvdata.Dataset(ds)
+    try:
+        shards = dataset.store.manifest.shards
+        engine = dataset.store.engine
+        sampler = kvdata.ShardShuffleSampler(dataset, window=2)
+        next(iter(sampler))
+        demand = engine._demands[sampler._reader]
+        this_epoch = len(set(dataset.store.sample_shards.tolist()))
+        assert demand.next_start == this_epoch == len(shards) and len(demand.sequence) == 2 * this_epoch
+        tail = len(shards) + 5  # an id past the sealed shards: the open tail's
+        dataset.announce("r", [0, tail, 1, 2, tail, 3], next_start=3)
+        d = engine._demands["r"]
+        assert d.sequence == tuple(shards[i].sha256 for i in (0, 1, 2, 3)) and d.next_start == 2
+        for bad in (-1, 7, True):
+            with pytest.raises(ValueError, match="next_start must be an index"):
+                dataset.announce("r", [0, 1], next_start=bad)
+    finally:
+        dataset.store.close()
+
+
 def test_kvdata_status_json_shows_the_mode_of_another_process(tmp_path: Path) -> None:
     ds = build_dataset(tmp_path / "ds", n=192, compress=False)
     budget = total_of(ds) // 4
