@@ -68,6 +68,7 @@ class ReadModes:
         self._ds_of: dict[str, list[str]] = {}         # shard sha -> keys of the datasets holding it
         self._aware_readers: dict[str, set[str]] = {}  # reader -> keys of the datasets it announced
         self._views: tuple[float, dict[str, _TierView]] = (0.0, {})
+        self._views_gen = 0   # bumped when the claims change: views computed before are not cached
         self._pid = os.getpid()
 
     # ------------------------------------------------------------ datasets
@@ -95,6 +96,8 @@ class ReadModes:
             idle = [k for k in keys if k in self._datasets and not self._datasets[k].active]
             for k in idle:
                 self._datasets[k].active = True
+            if idle:
+                self._stale()
         if idle:
             self._update_claims()
 
@@ -106,6 +109,7 @@ class ReadModes:
             if d is None or not d.active:
                 return
             d.active = False
+            self._stale()
         self._update_claims()
 
     def name(self, home_url: str, sha: str) -> None:
@@ -134,12 +138,16 @@ class ReadModes:
             idle = [key for key in keys if not self._datasets[key].active]
             for key in idle:
                 self._datasets[key].active = True
+            if keys != before or idle:
+                self._stale()
         if keys != before or idle:
             self._update_claims()
 
     def released(self, reader: str) -> None:
         with self._lock:
             had = self._aware_readers.pop(reader, None)
+            if had:
+                self._stale()
         if had:
             self._update_claims()
 
@@ -238,6 +246,15 @@ class ReadModes:
                 return True
         return any(k in v.aware for v in views.values() for k in keys)
 
+    def _stale(self) -> None:
+        """(Under the lock, with the change that calls for it) what the tiers' views were
+        computed from changed: the next caller computes them again, and a computation that
+        started before is not cached. Without this, a thread that read the cache between
+        another thread's activating a dataset and its claims landing got views without the
+        dataset: its shards had no tier and were fetched into private copies, then again."""
+        self._views_gen += 1
+        self._views = (0.0, {})
+
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # the parent's claims are its own (inherited descriptors stay)
             with self._lock:
@@ -273,7 +290,8 @@ class ReadModes:
                     continue
                 write_claim(fd, d.total, "", d.label)
                 d.claims[t.name] = (want, fd)
-        self._views = (0.0, {})
+        with self._lock:
+            self._stale()
 
     def _tier_views(self) -> dict[str, _TierView]:
         """Each tier's claims, rescanned at most every MODE_TTL seconds; our random-order
@@ -284,6 +302,7 @@ class ReadModes:
             return views
         self._check_fork()
         with self._lock:
+            gen = self._views_gen
             own = {k: d for k, d in self._datasets.items() if d.active}
             announced = {a for ks in self._aware_readers.values() for a in ks}
         prefix = f"use-{os.geteuid()}-"
@@ -322,7 +341,9 @@ class ReadModes:
                 if held is not None and held[0].endswith(".random"):
                     write_claim(held[1], d.total, last, d.label)
             views[t.name] = v
-        self._views = (now + MODE_TTL, views)
+        with self._lock:
+            if self._views_gen == gen:  # nothing changed meanwhile (_stale)
+                self._views = (now + MODE_TTL, views)
         return views
 
 
