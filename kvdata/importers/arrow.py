@@ -229,13 +229,11 @@ class Decoder:
         """Start decoding one batch (one tuple of (column, bytes) per row; empty: no image)."""
         if self.pool is None or not any(tasks):
             return _Done([_decode_chunk((self.decode, 0, 0, [t]))[0] if t else {} for t in tasks])
-        n = self.workers * 2
-        per = -(-len(tasks) // n)
-        size = (REGION_BYTES // n) // 64 * 64
         base = (self.turn % 2) * REGION_BYTES
         self.turn += 1
-        work = [(self.decode, base + j * size, size, tasks[j * per:(j + 1) * per]) for j in range(n)]
-        return _Pending(self.pool.map_async(_decode_chunk, [w for w in work if w[3]], chunksize=1), self.ring)
+        work = [(self.decode, pos, size, part)
+                for pos, size, part in shared_ring.split(tasks, self.workers * 2, base, REGION_BYTES)]
+        return _Pending(self.pool.map_async(_decode_chunk, work, chunksize=1), self.ring)
 
     def close(self) -> None:
         shared_ring.close_pool(self.pool, self.ring)

@@ -208,10 +208,7 @@ def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], poo
         state["next"] = start + len(items)
         base = (state["turn"] % 2) * REGION_BYTES
         state["turn"] += 1
-        per = -(-len(items) // chunks)
-        parts = [items[j:j + per] for j in range(0, len(items), per)]
-        size = (REGION_BYTES // len(parts)) // shared_ring.ALIGN * shared_ring.ALIGN
-        work = [(load, base + j * size, size, part) for j, part in enumerate(parts)]
+        work = [(load, pos, size, part) for pos, size, part in shared_ring.split(items, chunks, base, REGION_BYTES)]
         pending.append((pool.pool.map_async(_load_chunk, work, chunksize=1), len(items)))
 
     submit()

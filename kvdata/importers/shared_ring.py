@@ -43,10 +43,6 @@ def init_worker(ring: mmap.mmap | None) -> None:
     _worker_ring = ring
 
 
-def worker_ring() -> mmap.mmap | None:
-    return _worker_ring
-
-
 class Slice:
     """A worker's [pos, end) of the mapping: places arrays while they fit."""
 
@@ -78,6 +74,17 @@ def view(ring: mmap.mmap | None, value: Any) -> Any:
     a = np.frombuffer(ring, dtype, count, value.offset).reshape(value.shape)
     a.flags.writeable = False
     return a
+
+
+def split(items: list[Any], chunks: int, base: int, region_bytes: int) -> list[tuple[int, int, list[Any]]]:
+    """A batch's items cut into at most `chunks` runs, in order, each with its own slice
+    (pos, size) of the region starting at `base`: [(pos, size, items), ...]."""
+    if not items:
+        return []
+    per = -(-len(items) // max(1, chunks))
+    parts = [items[j:j + per] for j in range(0, len(items), per)]
+    size = (region_bytes // len(parts)) // ALIGN * ALIGN
+    return [(base + j * size, size, part) for j, part in enumerate(parts)]
 
 
 def make_ring(regions: int, region_bytes: int) -> mmap.mmap:
