@@ -40,7 +40,7 @@ import lmdb
 import numpy as np
 
 import kvdata
-from kvdata.store import shards
+from kvdata.store import sealing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
@@ -173,7 +173,7 @@ def table(title: str, rates: dict[str, list[float]], disk: dict[str, int], nbyte
 
 def seal_cost(root: Path, data: list[np.ndarray], repeats: int) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Milliseconds of seal() + commit() of one tail holding `data` (the puts and their commit untimed)."""
-    real_link = shards.os.link
+    real_link = sealing.os.link
 
     def no_link(*_a: Any, **_k: Any) -> None:
         raise OSError(errno.EXDEV, "hard links refused (bench: the copy path)")
@@ -192,14 +192,14 @@ def seal_cost(root: Path, data: list[np.ndarray], repeats: int) -> tuple[dict[st
             st.put_many((f"{i:08d}", {"image": a}) for i, a in enumerate(data))
             st.commit()
             st.seal()
-            shards.os.link = real_link if link else no_link
+            sealing.os.link = real_link if link else no_link
             t0 = time.perf_counter()
             st.commit()
             ms = (time.perf_counter() - t0) * 1e3
             if st.manifest.tail.records or len(st.manifest.shards) != 1:
                 raise SystemExit(f"{p}: expected one shard sealed by seal(), got {len(st.manifest.shards)}")
         finally:
-            shards.os.link = real_link
+            sealing.os.link = real_link
             st.close()
         disk[name] = dir_bytes(p / "shards")
         shutil.rmtree(p, ignore_errors=True)

@@ -55,8 +55,9 @@ from .pins import create_registry
 from .reader import Reader
 from .recovery import LeftBehind, tidy
 from .retire import Journal, Swept, old_files, retire, rollback, write_journal
+from .sealing import write_cold_copy
 from .shard_writer import ShardBuilder
-from .shards import SealedShard, check_lmdb_file, write_cold_copy
+from .shards import SealedShard, check_lmdb_file
 
 __all__ = ["compact", "CompactSummary"]
 

@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 
 from ..errors import CorruptDatasetError, MissingShardError
-from .shards import NO_LINK_ERRNOS
+from .sealing import NO_LINK_ERRNOS
 
 COPY_CHUNK = 8 << 20
 

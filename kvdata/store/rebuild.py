@@ -25,7 +25,9 @@ from ..format.codec import file_sha256, zst_copy_of
 from . import index as ix
 from .generation import read_manifest
 from .lock import WriterLock
-from .shards import ENVS, is_tail_link, open_sealed_lmdb, open_tail_for_write, scan, truncate_tail
+from .sealing import is_tail_link
+from .shard_rows import scan
+from .shards import ENVS, open_sealed_lmdb, open_tail_for_write, truncate_tail
 
 DEFAULT_SHARD_SIZE = 256_000_000
 

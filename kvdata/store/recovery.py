@@ -21,7 +21,7 @@ from pathlib import Path
 from .._util.fsutil import fsync_dir, unlink_quiet
 from ..format import Manifest, names
 from .retire import Swept, sweep
-from .shards import is_tail_link
+from .sealing import is_tail_link
 
 log = logging.getLogger("kvdata")
 

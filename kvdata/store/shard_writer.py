@@ -6,7 +6,7 @@ swapped meanwhile cannot redirect the write. Values are appended in slot order w
 MDB_APPEND (pages packed full, no B-tree splits to the left), a transaction every
 TXN_BYTES to bound dirty memory, without LMDB's lock file (nobody else opens a file that no
 manifest names yet). `finish` syncs it, learns every value's offset from LMDB's own map
-(shards.written_rows: the caller gives each record's head and kind) and returns the side-index
+(shard_rows.written_rows: the caller gives each record's head and kind) and returns the side-index
 rows; nothing here hashes it.
 """
 
@@ -22,7 +22,8 @@ import numpy as np
 from .. import format as fmt
 from .._util.fsutil import unlink_quiet
 from ..errors import CorruptDatasetError
-from .shards import tail_map_size, written_rows
+from .shard_rows import written_rows
+from .shards import tail_map_size
 
 TXN_BYTES = 64 << 20  # commit this often: LMDB keeps a transaction's dirty pages in memory
 PUT_BATCH = 256       # values handed to LMDB per putmulti call

@@ -51,7 +51,8 @@ from .lock import WriterLock
 from .reader import Reader
 from .recovery import LeftBehind, holds_data, settle, tidy
 from .retire import Journal, old_files, write_journal
-from .shards import ENVS, Hasher, open_tail_for_write, release_dead_pages, seal, truncate_tail
+from .sealing import Hasher, seal
+from .shards import ENVS, open_tail_for_write, release_dead_pages, truncate_tail
 
 LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
 RECORD_OVERHEAD = 64       # LMDB's per-record bytes beyond the value, for sealing decisions

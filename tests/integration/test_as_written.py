@@ -30,6 +30,7 @@ from kvdata.errors import KVDataError
 from kvdata.format import names
 from kvdata.reader.open import verify
 from kvdata.store import reader as reader_mod
+from kvdata.store import sealing as sealing_mod
 from kvdata.store import shards as shards_mod
 from kvdata.store.rebuild import reindex
 from kvdata.store.writer import SEAL_ON_CLOSE_MIN
@@ -146,7 +147,7 @@ def test_without_hard_links_sealing_copies(tmp_path: Path, err: int, monkeypatch
     the tail is copied compacted and renamed, as before; the dataset reads the same."""
     def no_link(*_a: Any, **_k: Any) -> None:
         raise OSError(err, os.strerror(err))
-    monkeypatch.setattr(shards_mod.os, "link", no_link)
+    monkeypatch.setattr(sealing_mod.os, "link", no_link)
     ds = tmp_path / "ds"
     with kvdata.open(ds, "w", shard_size="96KB", compress=True) as st:
         st.put_many((f"k{i:04d}", _small(i)) for i in range(300))
@@ -167,7 +168,7 @@ def test_a_link_error_that_is_not_about_links_fails_the_commit(tmp_path: Path,
     _tail_with_records(ds)
     def full(*_a: Any, **_k: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(shards_mod.os, "link", full)
+    monkeypatch.setattr(sealing_mod.os, "link", full)
     st = kvdata.open(ds, "a")
     st.seal()
     with pytest.raises(KVDataError, match="unchanged at generation"):
@@ -415,7 +416,7 @@ def test_a_failed_sha256_of_a_sealed_shard_fails_the_commit_and_changes_nothing(
 
     def broken(*_a: Any, **_k: Any) -> Any:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
-    monkeypatch.setattr(shards_mod, "mapped_file_sha256", broken)
+    monkeypatch.setattr(sealing_mod, "mapped_file_sha256", broken)
     st = kvdata.open(ds, "a", shard_size="64KB")
     st.put_many((f"n{i}", _small(i)) for i in range(200))  # seals shards on the way
     with pytest.raises(KVDataError, match="unchanged at generation"):

@@ -17,7 +17,7 @@ import kvdata
 from kvdata.errors import CorruptDatasetError
 from kvdata.format import frames
 from kvdata.format.codec import compress_file, zst_copy, zst_copy_of
-from kvdata.store.shards import scan
+from kvdata.store.shard_rows import scan
 
 HEAD = 8 + 32   # skippable frame header + table header
 
