@@ -133,7 +133,8 @@ def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
         if branch[0]:
             if (ptrs + _NODE.size > psize).any():
                 return None
-            pages = _u16(u8, node) | (_u16(u8, node + 2) << 16) | (_u16(u8, node + 4) << 32)
+            hdr = _block(u8, node, 6).view("<u2").astype(np.int64)  # lo, hi, flags = the child's page number
+            pages = hdr[:, 0] | (hdr[:, 1] << 16) | (hdr[:, 2] << 32)
             if len(np.unique(pages)) != len(pages):  # a tree, not a graph that revisits pages
                 return None
             continue
@@ -146,10 +147,15 @@ def _u16(u8: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return u8[pos].astype(np.int64) | (u8[pos + 1].astype(np.int64) << 8)
 
 
+def _block(u8: np.ndarray, pos: np.ndarray, width: int) -> np.ndarray:
+    """The `width` bytes at each byte position, one row each (one gather per node, not one per
+    field: the nodes lie all over the file, and each separate gather missed the cache again)."""
+    return u8[pos[:, None] + np.arange(width, dtype=np.int64)]
+
+
 def _u64(u8: np.ndarray, pos: np.ndarray, order: str) -> np.ndarray:
-    """uint64 of byte order `order` ('<' or '>') at each byte position, as int64 when it fits."""
-    b = u8[pos[:, None] + np.arange(8, dtype=np.int64)]
-    return b.view(order + "u8").ravel()
+    """uint64 of byte order `order` ('<' or '>') at each byte position."""
+    return _block(u8, pos, 8).view(order + "u8").ravel()
 
 
 def _leaf_values(u8: np.ndarray, node: np.ndarray, ptrs: np.ndarray, psize: int, page_base: np.ndarray,
@@ -157,12 +163,14 @@ def _leaf_values(u8: np.ndarray, node: np.ndarray, ptrs: np.ndarray, psize: int,
     """The SLOT_DTYPE rows of the leaf nodes at byte positions `node` (key order), or None."""
     if len(node) != entries or (ptrs + _NODE.size + 8 > psize).any():
         return None
-    dsize = _u16(u8, node) | (_u16(u8, node + 2) << 16)
-    nflags, ksize = _u16(u8, node + 4), _u16(u8, node + 6)
-    if (ksize != 8).any() or (nflags & ~_F_BIGDATA).any():
+    blk = _block(u8, node, _NODE.size + 8)  # the node's header and its key, the slot number
+    hdr = blk[:, :_NODE.size].view("<u2").astype(np.int64)
+    dsize = hdr[:, 0] | (hdr[:, 1] << 16)
+    if (hdr[:, 3] != 8).any() or (hdr[:, 2] & ~_F_BIGDATA).any():  # key size, node flags
         return None
-    if not np.array_equal(_u64(u8, node + _NODE.size, ">"), np.arange(entries, dtype=np.uint64)):
+    if not np.array_equal(blk[:, _NODE.size:].view(">u8").ravel(), np.arange(entries, dtype=np.uint64)):
         return None
+    nflags = hdr[:, 2]
     start = node + _NODE.size + 8
     big = (nflags & _F_BIGDATA) != 0
     inline = ~big

@@ -24,8 +24,12 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from array import array
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate, islice, repeat
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +48,7 @@ from ..errors import (
     NotADatasetError,
     RecordTooLargeError,
 )
-from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, names
+from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, names, raw_batch
 from . import index as ix
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
@@ -67,18 +71,55 @@ Row = tuple[int, int, int]  # (shard id, slot, label) of one sample
 
 @dataclass
 class Pending:
-    """Everything written since the last commit, discarded as one on failure."""
+    """Everything written since the last commit, discarded as one on failure.
+
+    The new samples' rows are kept column by column in arrays (a put_many of 1 KiB records adds
+    a chunk of them in one call each, and the commit reads them as numpy without a pass in Python)."""
 
     sealed: list[tuple[ShardEntry, np.ndarray]] = field(default_factory=list)  # (entry, record rows)
     hashing: dict[int, Hasher] = field(default_factory=dict)  # shard id -> its sha256 in progress
-    new_keys: dict[str, int] = field(default_factory=dict)  # key -> position in new_rows
-    new_rows: list[Row] = field(default_factory=list)
-    new_hash: list[int] = field(default_factory=list)
-    new_alive: list[bool] = field(default_factory=list)
+    new_keys: dict[str, int] = field(default_factory=dict)  # key -> position in the new_* columns
+    new_shard: array = field(default_factory=lambda: array("I"))
+    new_slot: array = field(default_factory=lambda: array("I"))
+    new_label: array = field(default_factory=lambda: array("q"))
+    new_hash: array = field(default_factory=lambda: array("Q"))
+    new_alive: bytearray = field(default_factory=bytearray)
     over: dict[int, Row] = field(default_factory=dict)       # committed position -> new row
     deleted: set[int] = field(default_factory=set)           # committed positions
     dirty: bool = False
     seal_requested: bool = False
+
+    def add(self, key: str, row: Row, key_hash: int) -> None:
+        """A new sample (its key not committed, not pending)."""
+        self.new_keys[key] = len(self.new_slot)
+        self.new_shard.append(row[0])
+        self.new_slot.append(row[1])
+        self.new_label.append(row[2])
+        self.new_hash.append(key_hash)
+        self.new_alive.append(1)
+
+    def add_many(self, keys: list[str], shard: int, first_slot: int, labels: Iterable[int],
+                 key_hashes: np.ndarray) -> None:
+        """New samples in consecutive slots of one shard (their keys distinct, none committed or pending)."""
+        n = len(keys)
+        self.new_keys.update(zip(keys, range(len(self.new_slot), len(self.new_slot) + n)))
+        self.new_shard.extend(repeat(shard, n))
+        self.new_slot.extend(range(first_slot, first_slot + n))
+        self.new_label.extend(labels)
+        self.new_hash.frombytes(np.ascontiguousarray(key_hashes, dtype=np.uint64).tobytes())
+        self.new_alive.extend(b"\x01" * n)
+
+    def set_row(self, i: int, row: Row) -> None:
+        self.new_shard[i], self.new_slot[i], self.new_label[i] = row
+
+    def live(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sample rows, key hashes) of the new samples not deleted since, in the order added."""
+        alive = np.frombuffer(self.new_alive, dtype=np.uint8).astype(bool)
+        rows = np.zeros(int(alive.sum()), dtype=fmt.SAMPLE_DTYPE)
+        rows["shard"] = np.frombuffer(self.new_shard, dtype=np.uint32)[alive]
+        rows["slot"] = np.frombuffer(self.new_slot, dtype=np.uint32)[alive]
+        rows["label"] = np.frombuffer(self.new_label, dtype=np.int64)[alive]
+        return rows, np.frombuffer(self.new_hash, dtype=np.uint64)[alive]
 
 
 class Writer:
@@ -281,39 +322,77 @@ class Writer:
     def put_many(self, pairs: Iterable[tuple[Any, ...]]) -> int:
         self._check()
         n = 0
-        chunk: list[tuple[Any, ...]] = []
-        for pair in pairs:
-            chunk.append(pair)
-            if len(chunk) >= PUT_CHUNK:
-                n += self._put_chunk(chunk)
-                chunk = []
-        if chunk:
+        items = iter(pairs)
+        while chunk := list(islice(items, PUT_CHUNK)):
             n += self._put_chunk(chunk)
         return n
 
     def _put_chunk(self, chunk: list[tuple[Any, ...]]) -> int:
-        keys: list[str] = []
-        hashes: list[int] = []
-        for item in chunk:
-            kb = fmt.check_key(item[0])
-            keys.append(kb.decode("utf-8"))
-            hashes.append(fmt.key_hash(kb))
+        given = [item[0] for item in chunk]
+        kbs = raw_batch.check_keys(given)
+        if kbs is None:  # one at a time: the first bad key raises its own error
+            kbs = [fmt.check_key(k) for k in given]
+            keys = [kb.decode("utf-8") for kb in kbs]
+        else:
+            keys = given
+        hashes = raw_batch.key_hashes(kbs)
         found: dict[int, int] = {}
         reader = self._committed()
-        q, p = reader.gen.index.candidates_many(np.array(hashes, dtype=np.uint64))
+        q, p = reader.gen.index.candidates_many(hashes)
         if len(q):
             metas = reader.metas(p)
             for qi, pi, (_k, meta) in zip(q.tolist(), p.tolist(), metas):
                 if meta["k"] == keys[qi]:
                     found[qi] = pi
+        if not found and self._put_raw_batch(chunk, keys, kbs, hashes):
+            return len(chunk)
         deleted = self.pending.deleted
-        for i, (item, skey, h) in enumerate(zip(chunk, keys, hashes)):
+        for i, (item, skey, h) in enumerate(zip(chunk, keys, hashes.tolist())):
             value = item[1]
             label = item[2] if len(item) > 2 else None
             rec, label, layout = fmt.encode_record(skey, value, label)
             pos = found.get(i)
             self._put_record(skey, h, rec, label, layout, None if pos is None or pos in deleted else pos)
         return len(chunk)
+
+    def _put_raw_batch(self, chunk: list[tuple[Any, ...]], keys: list[str], kbs: list[bytes],
+                       hashes: np.ndarray) -> bool:
+        """Append a chunk of new raw records at once (raw_batch), if it is one: every value bytes,
+        no label, every key new to the dataset and distinct. False: nothing was written."""
+        if set(map(len, chunk)) != {2}:
+            return False
+        values = [item[1] for item in chunk]
+        if not raw_batch.raw_values(values) or len(set(keys)) != len(keys) \
+                or not self.pending.new_keys.keys().isdisjoint(keys):
+            return False
+        recs = raw_batch.encode_raw_records(kbs, values)
+        needs = [len(r) + RECORD_OVERHEAD for r in recs]
+        if max(needs) > self.shard_size:
+            return False  # the record-at-a-time path names the record too large
+        ends = list(accumulate(needs))
+        i = 0
+        while i < len(recs):
+            if self.tail_slots and self.tail_bytes + needs[i] > self.shard_size:
+                self._seal()
+            before = ends[i - 1] if i else 0  # bytes of the chunk already appended
+            fit = bisect_right(ends, before + self.shard_size - self.tail_bytes, lo=i)       # within the shard
+            reach = bisect_left(ends, before + LMDB_TXN_BYTES - self.txn_bytes, lo=i) + 1    # the txn's last
+            j = max(i + 1, min(fit, reach, len(recs)))
+            slot = self.tail_slots
+            with self._tail_txn() as txn:
+                slot_keys = [s.to_bytes(8, "big") for s in range(slot, slot + j - i)]
+                consumed, added = txn.cursor().putmulti(zip(slot_keys, recs[i:j]), append=True)
+                if consumed != j - i or added != j - i:
+                    raise lmdb.Error(f"LMDB appended {added} of {j - i} records")
+                self.tail_slots += j - i
+                self.tail_bytes += ends[j - 1] - before
+                self.txn_bytes += ends[j - 1] - before
+                self.pending.dirty = True
+                if self.txn_bytes >= LMDB_TXN_BYTES:
+                    self._flush_txn()
+            self.pending.add_many(keys[i:j], self.tail_id, slot, repeat(fmt.NO_LABEL, j - i), hashes[i:j])
+            i = j
+        return True
 
     def _committed_pos(self, skey: str, kb: bytes) -> int | None:
         if skey in self.pending.new_keys:
@@ -331,14 +410,11 @@ class Writer:
         p = self.pending
         i = p.new_keys.get(skey)
         if i is not None:
-            p.new_rows[i] = row
+            p.set_row(i, row)
         elif committed is not None:
             p.over[committed] = row
         else:
-            p.new_keys[skey] = len(p.new_rows)
-            p.new_rows.append(row)
-            p.new_hash.append(h)
-            p.new_alive.append(True)
+            p.add(skey, row, h)
         if layout:
             sch = fmt.field_schema(layout)
             if sch != self._last_schema:
@@ -356,7 +432,7 @@ class Writer:
             raise KeyError(f"{key!r} is not in {self.root}")
         self._append(skey, fmt.encode_tombstone(skey))
         if i is not None:
-            p.new_alive[i] = False
+            p.new_alive[i] = 0
         elif committed is not None:
             p.deleted.add(committed)
             p.over.pop(committed, None)
@@ -372,24 +448,31 @@ class Writer:
         if self.tail_slots and self.tail_bytes + need > self.shard_size:
             self._seal()
         slot = self.tail_slots
-        try:
-            if self.txn is None:
-                self.txn = self.env.begin(write=True)
-                ENVS.mark_busy(self.env, 1)
-            self.txn.put(fmt.slot_key(slot), rec, append=True)
+        with self._tail_txn() as txn:
+            txn.put(fmt.slot_key(slot), rec, append=True)
             self.tail_slots += 1
             self.tail_bytes += need
             self.txn_bytes += need
             self.pending.dirty = True
             if self.txn_bytes >= LMDB_TXN_BYTES:
                 self._flush_txn()
+        return slot
+
+    @contextmanager
+    def _tail_txn(self) -> Iterator[Any]:
+        """The tail's write transaction (begun if none is open); a failure inside discards every
+        write since the last commit and raises CommitError."""
+        try:
+            if self.txn is None:
+                self.txn = self.env.begin(write=True)
+                ENVS.mark_busy(self.env, 1)
+            yield self.txn
         except lmdb.MapFullError:
             self._fail()
             raise CommitError(f"{self.root}: the tail shard's map is full; commit more often or lower --shard-size") from None
         except (OSError, lmdb.Error) as e:  # e.g. the disk filled while LMDB spilled dirty pages
             self._fail()
             raise CommitError(self._failure_message(e)) from None
-        return slot
 
     def _flush_txn(self) -> None:
         if self.txn is not None:
@@ -517,9 +600,7 @@ class Writer:
         old = m.index
         stale: list[str] = []
         n = idx.count
-        live = [i for i, a in enumerate(p.new_alive) if a]
-        new_rows = np.array([p.new_rows[i] for i in live], dtype=fmt.SAMPLE_DTYPE)
-        new_hash = np.array([p.new_hash[i] for i in live], dtype=np.uint64)
+        new_rows, new_hash = p.live()
 
         records_name, records_count = old.records, old.records_count
         if p.sealed:
@@ -531,8 +612,8 @@ class Writer:
         if not p.over and not p.deleted:
             samples_name = old.samples or names.samples_name(gen)
             ix.append_rows(index_dir / samples_name, n, new_rows)
-            runs = ix.add_key_run(index_dir, old.keys, gen, new_hash, np.arange(n, n + len(live), dtype=np.uint64))
-            count = n + len(live)
+            runs = ix.add_key_run(index_dir, old.keys, gen, new_hash, np.arange(n, n + len(new_rows), dtype=np.uint64))
+            count = n + len(new_rows)
         else:
             samples = np.array(idx.samples)
             for pos, row in p.over.items():

@@ -1,0 +1,84 @@
+"""Many raw records at once: the keys checked and hashed, the records encoded, for put_many.
+
+A 1 KiB record costs LMDB about 2 us to append; encoding it one at a time through
+`record.encode_record` (a dict for the meta, msgpack, a header struct, the crc in pieces) cost
+5 us more, and checking and hashing its key another 1. Records of one key length share
+everything but the key, the payload and the crc, so this module builds those parts once per
+key length and each record with one crc32 over its variable bytes and one join. The bytes are
+exactly what `encode_record` makes (tests/unit/test_raw_batch.py holds them equal), so readers
+and `verify` see no difference. Anything this path does not cover -- a key that is not a
+clean str, a value that is not bytes or bytearray, a label -- makes the caller take the
+record-at-a-time path, which raises the precise error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._util.checksum import crc32
+from .record import ALIGN, KIND_RAW, MAGIC, MAX_KEY_BYTES, PREFIX, PREFIX_SIZE, RECORD_VERSION
+
+_META_HEAD = b"\x81\xa1k"  # msgpack {"k": <str>}: a map of one entry, the key "k"
+_ZEROS = bytes(ALIGN)
+
+
+def _str_header(n: int) -> bytes:
+    """msgpack's header of a str of n UTF-8 bytes (fixstr, str8 or str16; keys are <= 4 KiB)."""
+    if n < 32:
+        return bytes([0xA0 | n])
+    if n < 256:
+        return b"\xd9" + bytes([n])
+    return b"\xda" + n.to_bytes(2, "big")
+
+
+def check_keys(keys: Sequence[Any]) -> list[bytes] | None:
+    """The UTF-8 bytes of every key if all are valid str keys (record.check_key's rules),
+    else None: the caller checks them one at a time, which names the bad one."""
+    if set(map(type, keys)) != {str}:
+        return None
+    try:
+        kbs = [k.encode("utf-8") for k in keys]
+    except UnicodeEncodeError:
+        return None
+    lens = list(map(len, kbs))
+    if not lens or min(lens) == 0 or max(lens) > MAX_KEY_BYTES or b"\x00" in b"".join(kbs):
+        return None
+    return kbs
+
+
+def key_hashes(kbs: Sequence[bytes]) -> np.ndarray:
+    """record.key_hash of every key, as uint64 (the digests joined and read at once)."""
+    b2 = hashlib.blake2b
+    return np.frombuffer(b"".join([b2(kb, digest_size=8).digest() for kb in kbs]), "<u8").astype(np.uint64)
+
+
+def raw_values(values: Sequence[Any]) -> bool:
+    """Whether every value is stored as a raw record by this module (bytes or bytearray)."""
+    return set(map(type, values)) <= {bytes, bytearray}
+
+
+def encode_raw_records(kbs: Sequence[bytes], values: Sequence[bytes | bytearray]) -> list[bytes]:
+    """The records of raw values without labels, byte for byte as record.encode_record makes them.
+
+    Payloads must be shorter than 4 GiB (the writer's shard size bounds them far below)."""
+    shared: dict[int, tuple[bytes, bytes, int, int, int]] = {}  # key length -> the parts it fixes
+    out: list[bytes] = []
+    append = out.append
+    pack = PREFIX.pack
+    for kb, v in zip(kbs, values):
+        n = len(kb)
+        s = shared.get(n)
+        if s is None:
+            meta_len = len(_META_HEAD) + len(_str_header(n)) + n
+            head = (PREFIX_SIZE + meta_len + ALIGN - 1) & ~(ALIGN - 1)
+            crc0 = crc32(pack(MAGIC, KIND_RAW, RECORD_VERSION, 0, head, 0, meta_len, 0)[:PREFIX_SIZE - 4])
+            s = shared[n] = (_META_HEAD + _str_header(n), _ZEROS[:head - PREFIX_SIZE - meta_len], crc0, head, meta_len)
+        meta_head, pad, crc0, head, meta_len = s
+        rest = meta_head + kb + pad
+        append(b"".join((pack(MAGIC, KIND_RAW, RECORD_VERSION, 0, head, 0, meta_len, crc32(v, crc32(rest, crc0))),
+                         rest, v)))
+    return out
