@@ -24,11 +24,9 @@ import errno
 import json
 import os
 import shutil
-from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from itertools import accumulate, islice, repeat
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ import lmdb
 import numpy as np
 
 from .. import format as fmt
-from .._util.fsutil import atomic_write, fsync_dir, unlink_quiet
+from .._util.fsutil import atomic_write, unlink_quiet
 from .._util.sizes import parse_size
 from ..errors import (
     ClosedError,
@@ -48,10 +46,11 @@ from ..errors import (
     NotADatasetError,
     RecordTooLargeError,
 )
-from ..format import IndexFiles, KeyRunEntry, Manifest, ShardEntry, TailEntry, names, raw_batch
-from . import index as ix
+from ..format import Manifest, TailEntry, names, raw_batch
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
+from .new_generation import write_generation
+from .pending import Pending
 from .reader import Reader
 from .recovery import LeftBehind, holds_data, settle, tidy
 from .retire import Journal, old_files, write_journal
@@ -65,62 +64,6 @@ _MANIFEST_KEYS = {"format", *(f.name for f in dataclasses.fields(Manifest))} - {
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
 SEAL_ON_CLOSE_MIN = 64 << 10  # a "w" writer's close seals the tail unless the whole dataset is smaller
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-Row = tuple[int, int, int]  # (shard id, slot, label) of one sample
-
-
-@dataclass
-class Pending:
-    """Everything written since the last commit, discarded as one on failure.
-
-    The new samples' rows are kept column by column in arrays (a put_many of 1 KiB records adds
-    a chunk of them in one call each, and the commit reads them as numpy without a pass in Python)."""
-
-    sealed: list[tuple[ShardEntry, np.ndarray]] = field(default_factory=list)  # (entry, record rows)
-    hashing: dict[int, Hasher] = field(default_factory=dict)  # shard id -> its sha256 in progress
-    new_keys: dict[str, int] = field(default_factory=dict)  # key -> position in the new_* columns
-    new_shard: array = field(default_factory=lambda: array("I"))
-    new_slot: array = field(default_factory=lambda: array("I"))
-    new_label: array = field(default_factory=lambda: array("q"))
-    new_hash: array = field(default_factory=lambda: array("Q"))
-    new_alive: bytearray = field(default_factory=bytearray)
-    over: dict[int, Row] = field(default_factory=dict)       # committed position -> new row
-    deleted: set[int] = field(default_factory=set)           # committed positions
-    dirty: bool = False
-    seal_requested: bool = False
-
-    def add(self, key: str, row: Row, key_hash: int) -> None:
-        """A new sample (its key not committed, not pending)."""
-        self.new_keys[key] = len(self.new_slot)
-        self.new_shard.append(row[0])
-        self.new_slot.append(row[1])
-        self.new_label.append(row[2])
-        self.new_hash.append(key_hash)
-        self.new_alive.append(1)
-
-    def add_many(self, keys: list[str], shard: int, first_slot: int, labels: Iterable[int],
-                 key_hashes: np.ndarray) -> None:
-        """New samples in consecutive slots of one shard (their keys distinct, none committed or pending)."""
-        n = len(keys)
-        self.new_keys.update(zip(keys, range(len(self.new_slot), len(self.new_slot) + n)))
-        self.new_shard.extend(repeat(shard, n))
-        self.new_slot.extend(range(first_slot, first_slot + n))
-        self.new_label.extend(labels)
-        self.new_hash.frombytes(np.ascontiguousarray(key_hashes, dtype=np.uint64).tobytes())
-        self.new_alive.extend(b"\x01" * n)
-
-    def set_row(self, i: int, row: Row) -> None:
-        self.new_shard[i], self.new_slot[i], self.new_label[i] = row
-
-    def live(self) -> tuple[np.ndarray, np.ndarray]:
-        """(sample rows, key hashes) of the new samples not deleted since, in the order added."""
-        alive = np.frombuffer(self.new_alive, dtype=np.uint8).astype(bool)
-        rows = np.zeros(int(alive.sum()), dtype=fmt.SAMPLE_DTYPE)
-        rows["shard"] = np.frombuffer(self.new_shard, dtype=np.uint32)[alive]
-        rows["slot"] = np.frombuffer(self.new_slot, dtype=np.uint32)[alive]
-        rows["label"] = np.frombuffer(self.new_label, dtype=np.int64)[alive]
-        return rows, np.frombuffer(self.new_hash, dtype=np.uint64)[alive]
-
 
 class Writer:
     """The pending writes of one dataset opened with mode a/w, and its Reader."""
@@ -591,61 +534,10 @@ class Writer:
             self.failed = True
 
     def _write_generation(self) -> tuple[Manifest, list[str]]:
-        m = self.m
-        p = self.pending
-        gen = m.generation + 1
-        self._writing_generation = gen
-        index_dir = self.root / names.INDEX_DIR
-        idx = self._committed().gen.index
-        old = m.index
-        stale: list[str] = []
-        n = idx.count
-        new_rows, new_hash = p.live()
-
-        records_name, records_count = old.records, old.records_count
-        if p.sealed:
-            rows = np.concatenate([r for _e, r in p.sealed])
-            records_name = records_name or names.records_name(gen)
-            ix.append_rows(index_dir / records_name, records_count, rows)
-            records_count += len(rows)
-
-        if not p.over and not p.deleted:
-            samples_name = old.samples or names.samples_name(gen)
-            ix.append_rows(index_dir / samples_name, n, new_rows)
-            runs = ix.add_key_run(index_dir, old.keys, gen, new_hash, np.arange(n, n + len(new_rows), dtype=np.uint64))
-            count = n + len(new_rows)
-        else:
-            samples = np.array(idx.samples)
-            for pos, row in p.over.items():
-                samples[pos] = row
-            hashes = ix.all_key_hashes(idx)
-            keep = np.ones(n, dtype=bool)
-            keep[list(p.deleted)] = False
-            samples = np.concatenate([samples[keep], new_rows])
-            hashes = np.concatenate([hashes[keep], new_hash])
-            samples_name = names.samples_name(gen)
-            ix.write_new(index_dir / samples_name, samples)
-            run_name = names.keys_name(gen, 0)
-            ix.write_key_run(index_dir / run_name, hashes, np.arange(len(samples), dtype=np.uint64))
-            runs = [KeyRunEntry(run_name, int(len(samples)))]
-            count = len(samples)
-        fsync_dir(index_dir)
-        referenced = {samples_name, records_name} | {r.name for r in runs}
-        stale += [f"{names.INDEX_DIR}/{name}" for name in {old.samples} | {r.name for r in old.keys}
-                  if name and name not in referenced]
-
-        new_m = m.replace(
-            generation=gen,
-            count=int(count),
-            shards=m.shards + tuple(e for e, _r in p.sealed),
-            tail=TailEntry(self.tail_id, names.tail_name(self.tail_id, m.incarnation), self.tail_slots),
-            index=IndexFiles(samples_name, records_name, int(records_count), tuple(runs)),
-            fields=self.schema,
-            classes=tuple(self.classes),
-            extra=dict(self.extra),
-        )
-        atomic_write(self.root / names.MANIFEST, fmt.dump_manifest(new_m))
-        return new_m, stale
+        self._writing_generation = self.m.generation + 1
+        tail = TailEntry(self.tail_id, names.tail_name(self.tail_id, self.m.incarnation), self.tail_slots)
+        return write_generation(self.root, self.m, self.pending, self._committed().gen.index, tail,
+                                self.schema, self.classes, self.extra)
 
     # ------------------------------------------------------------ close
 
