@@ -5,19 +5,19 @@ ShardShuffleSampler's orders are per sample, and a 100 TB dataset of 110 KB samp
 replays the sampler's own functions on a dataset of the same shards in which every shard holds
 `slots` equal *virtual samples* (slots = the real samples per shard when that is small, as in
 the calibration run; 16 at 100 TB). Everything the sampler decides at shard granularity is then
-exactly what it decides for the real dataset -- the shard permutation (`order.shard_permutation`
-inside `order.epoch_order`), the node partition and its exchange (`order.node_of_shards` inside
-`order.locality_shares`), the node balancing (`order.balance_nodes`) and the rank split
-(`order.rank_share`) -- and what it decides inside a shard (the window shuffle, where a rank's
+exactly what it decides for the real dataset -- the shard permutation (`blocked.shard_permutation`
+inside `blocked.epoch_order`), the node partition and its exchange (`locality.node_of_shards` inside
+`locality.locality_shares`), the node balancing (`locality.balance_nodes`) and the rank split
+(`blocked.rank_share`) -- and what it decides inside a shard (the window shuffle, where a rank's
 slice starts in a shard) is resolved to 1/slots of a shard: one slot stands for
 samples_per_shard / slots real samples. Nothing here re-implements an order:
 
 - `epoch_rows`: each rank's slots in read order = `ShardShuffleSampler(...).indices(epoch)` of
-  the virtual dataset: `order.epoch_order` + `order.rank_share` (global), `order.locality_shares`
+  the virtual dataset: `blocked.epoch_order` + `blocked.rank_share` (global), `locality.locality_shares`
   (locality=True) -- the calls the sampler makes, with its arguments;
 - `RankEpoch.seq`: the shard sequence the sampler announces for the epoch it reads
-  (`order.first_use_order`); `announced_next`: what it announces for the following epoch
-  (`order.planned_shard_sequence` for the global order, the next epoch's `seq` for locality);
+  (`blocked.first_use_order`); `announced_next`: what it announces for the following epoch
+  (`blocked.planned_shard_sequence` for the global order, the next epoch's `seq` for locality);
 - `RankEpoch.position`: the progress it reports at a position of its iterator, as
   `ShardShuffleSampler._announce` computes it (running maximum of the first-use rank, less the
   window's lag). tests/unit/test_cluster_sim.py checks rows, sequences and positions against a
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvdata import order
+from kvdata.order import blocked, locality
 
 SAMPLERS = ("global", "locality")
 
@@ -52,15 +52,15 @@ class Layout:
     def world(self) -> int:
         return self.nodes * self.per_node
 
-    def groups(self) -> order.ShardGroups:
+    def groups(self) -> blocked.ShardGroups:
         """The virtual dataset as the sampler groups it: sample i lies in shard i // slots."""
-        return order.group_by_shard(np.repeat(np.arange(self.shards, dtype=np.int64), self.slots))
+        return blocked.group_by_shard(np.repeat(np.arange(self.shards, dtype=np.int64), self.slots))
 
     def shard_of(self, slots: np.ndarray) -> np.ndarray:
         return np.asarray(slots, dtype=np.int64) // self.slots
 
 
-def epoch_rows(layout: Layout, groups: order.ShardGroups, sampler: str, epoch: int,
+def epoch_rows(layout: Layout, groups: blocked.ShardGroups, sampler: str, epoch: int,
                ranks: Sequence[int]) -> dict[int, np.ndarray]:
     """The virtual samples each of `ranks` reads in `epoch`, in order: what
     ShardShuffleSampler(ds, seed, window, rank=r, world_size=world, locality=..., exchange=...,
@@ -68,20 +68,20 @@ def epoch_rows(layout: Layout, groups: order.ShardGroups, sampler: str, epoch: i
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler {sampler!r} is not one of {', '.join(SAMPLERS)}")
     if sampler == "locality":
-        shares = order.locality_shares(groups, layout.seed, epoch, layout.nodes, layout.world, layout.exchange,
-                                       layout.window)
+        shares = locality.locality_shares(groups, layout.seed, epoch, layout.nodes, layout.world, layout.exchange,
+                                          layout.window)
         return {r: shares[r] for r in ranks}
-    full = order.epoch_order(groups, layout.seed, epoch, layout.window)
-    return {r: order.rank_share(full, r, layout.world, False) for r in ranks}
+    full = blocked.epoch_order(groups, layout.seed, epoch, layout.window)
+    return {r: blocked.rank_share(full, r, layout.world, False) for r in ranks}
 
 
-def announced_next(layout: Layout, groups: order.ShardGroups, sampler: str, epoch: int, rank: int,
+def announced_next(layout: Layout, groups: blocked.ShardGroups, sampler: str, epoch: int, rank: int,
                    following: RankEpoch) -> np.ndarray:
     """The next epoch's part of what ShardShuffleSampler announces in `epoch` (`_planned_next`):
     the plan from the shard permutation for the global order, the exact sequence for locality."""
     if sampler == "locality":
         return following.seq
-    return order.planned_shard_sequence(groups, layout.seed, epoch + 1, layout.window, rank, layout.world, False)
+    return blocked.planned_shard_sequence(groups, layout.seed, epoch + 1, layout.window, rank, layout.world, False)
 
 
 @dataclass
@@ -95,7 +95,7 @@ class RankEpoch:
     its slots, whatever the number of virtual samples."""
 
     shards: np.ndarray       # shard of each slot, in read order
-    seq: np.ndarray          # order.first_use_order(shards): what the sampler announces first
+    seq: np.ndarray          # blocked.first_use_order(shards): what the sampler announces first
     reach: np.ndarray        # index into seq of the furthest shard touched up to each slot
     lag: int                 # window - 1: a window's shards are read together
     block_start: np.ndarray  # first slot of each block
@@ -106,7 +106,7 @@ class RankEpoch:
     def of(cls, layout: Layout, row: np.ndarray) -> RankEpoch:
         shards = layout.shard_of(row)
         n = len(shards)
-        seq = order.first_use_order(shards)
+        seq = blocked.first_use_order(shards)
         rank_of = np.zeros(layout.shards, dtype=np.int64)
         rank_of[seq] = np.arange(len(seq))
         if not n:

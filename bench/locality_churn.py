@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How many shards the locality order makes new to a node each epoch, and what that costs a tier.
 
-From the order alone (kvdata.order.locality_shares, the rows ShardShuffleSampler(locality=True)
+From the order alone (kvdata.order.locality.locality_shares, the rows ShardShuffleSampler(locality=True)
 yields; no dataset, no network), for a grid of node counts, shards per node and shard sizes:
 
 - new: the fraction of the shards a node's ranks read in epoch e+1 that they did not read in
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdata import order as om
+from kvdata.order import blocked, locality
 from kvdata.tiers.policy import Demand, plan_eviction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,7 +56,7 @@ def node_sequences(shares: np.ndarray, sample_shards: np.ndarray, nodes: int) ->
     out = []
     for j in range(nodes):
         merged = shares[j * per_node:(j + 1) * per_node].T.ravel()   # rank 0's i-th, rank 1's i-th, ...
-        out.append(om.first_use_order(sample_shards[merged]))
+        out.append(blocked.first_use_order(sample_shards[merged]))
     return out
 
 
@@ -86,7 +86,7 @@ def measure_one(nodes: int, per_node: int, sizes: str, args: argparse.Namespace,
                 tiers: bool) -> dict[str, Any]:
     """One layout, one sampler (exchange None: the global order)."""
     sample_shards = layout(nodes, per_node, sizes, args.samples_per_shard, args.seed)
-    g = om.group_by_shard(sample_shards)
+    g = blocked.group_by_shard(sample_shards)
     world = nodes * args.ranks_per_node
     n = len(sample_shards)
     seqs: list[list[np.ndarray]] = [[] for _ in range(nodes)]
@@ -96,10 +96,10 @@ def measure_one(nodes: int, per_node: int, sizes: str, args: argparse.Namespace,
     for e in range(args.epochs + 1):                     # one more: the last epoch's announcement
         t0 = time.perf_counter()
         if exchange is None:
-            full = om.epoch_order(g, args.seed, e, args.window)
-            shares = np.stack([om.rank_share(full, r, world, False) for r in range(world)])
+            full = blocked.epoch_order(g, args.seed, e, args.window)
+            shares = np.stack([blocked.rank_share(full, r, world, False) for r in range(world)])
         else:
-            shares = om.locality_shares(g, args.seed, e, nodes, world, exchange, window=args.window)
+            shares = locality.locality_shares(g, args.seed, e, nodes, world, exchange, window=args.window)
         t_plan += time.perf_counter() - t0
         for j, s in enumerate(node_sequences(shares, sample_shards, nodes)):
             seqs[j].append(s)

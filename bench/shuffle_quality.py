@@ -9,13 +9,13 @@ out two ways:
   shard holds a random sample of the classes.
 
 For each shuffle window (shards whose samples are mixed together) the script runs the
-exact order ShardShuffleSampler yields (kvdata.order.epoch_order, one rank), cuts it into
+exact order ShardShuffleSampler yields (kvdata.order.blocked.epoch_order, one rank), cuts it into
 batches of 256 and reports the mean (and the minimum) number of distinct classes per
 batch, against a true random permutation of all samples, and how often two samples of
 the same shard share a batch (the price of a small window, whatever the layout). Only numpy and kvdata.order are
 used: no dataset is written.
 
-The locality sampler (ShardShuffleSampler(locality=True), kvdata.order.locality_shares) gets
+The locality sampler (ShardShuffleSampler(locality=True), kvdata.order.locality.locality_shares) gets
 the same measures with 4 nodes x 1 rank at exchange 0, 0.1 and 0.3, next to the global order
 on 4 ranks, plus how much of a node's shards it already read the epoch before (what its
 tier can serve again).
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdata import order as om
+from kvdata.order import blocked, locality
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, machine_line, md_table, replace_block, write_json  # noqa: E402
@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     sorted_labels = np.repeat(np.arange(args.classes, dtype=np.int16), args.per_class)
     random_labels = np.random.default_rng(args.seed + 1).permutation(sorted_labels)  # shuffled before writing
     sample_shards = (np.arange(n, dtype=np.int64) // args.shard).astype(np.uint32)
-    groups = om.group_by_shard(sample_shards)
+    groups = blocked.group_by_shard(sample_shards)
     layouts = [sorted_labels, random_labels]
 
     rows = []
@@ -111,7 +111,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
         pairs = []
         for e in range(args.epochs):
             t0 = time.perf_counter()
-            order = om.epoch_order(groups, args.seed, e, window=w)
+            order = blocked.epoch_order(groups, args.seed, e, window=w)
             plan_s = max(plan_s, time.perf_counter() - t0)
             for c, lab in zip(cells, layouts):
                 c.append(distinct_per_batch(lab[order], args.batch))
@@ -134,7 +134,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
 LocRow = tuple[str, list[tuple[float, int]], float, float]
 
 
-def measure_locality(args: argparse.Namespace, groups: om.ShardGroups, sample_shards: np.ndarray,
+def measure_locality(args: argparse.Namespace, groups: blocked.ShardGroups, sample_shards: np.ndarray,
                      layouts: list[np.ndarray]) -> list[LocRow]:
     """The global order on nodes x 1 rank vs the locality order at each exchange: the same
     per-rank batch measures, and the fraction of a node's shards it also read the epoch before."""
@@ -147,10 +147,10 @@ def measure_locality(args: argparse.Namespace, groups: om.ShardGroups, sample_sh
         before: list[set[int]] | None = None
         for e in range(epochs):
             if exchange is None:
-                order = om.epoch_order(groups, args.seed, e, window=w)
-                shares = [om.rank_share(order, r, nodes, False) for r in range(nodes)]
+                order = blocked.epoch_order(groups, args.seed, e, window=w)
+                shares = [blocked.rank_share(order, r, nodes, False) for r in range(nodes)]
             else:
-                shares = list(om.locality_shares(groups, args.seed, e, nodes, nodes, exchange, window=w))
+                shares = list(locality.locality_shares(groups, args.seed, e, nodes, nodes, exchange, window=w))
             for c, lab in zip(cells, layouts):
                 c.extend(distinct_per_batch(lab[x], args.batch) for x in shares)
             pairs.append(same_shard_pairs_in(shares, sample_shards, args.batch))

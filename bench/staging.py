@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 import kvdata
-from kvdata import order as order_mod
+from kvdata.order import blocked
 from kvdata.tiers import policy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -256,21 +256,21 @@ def make_trace(sample_shards: np.ndarray, kind: str, seed: int, epochs: int, win
     is then a hit under every simulated policy and changes no decision (a shard of the
     current window is never a victim), so hits and traffic stay exact -- the self-check
     compares both traces."""
-    groups = order_mod.group_by_shard(sample_shards)
+    groups = blocked.group_by_shard(sample_shards)
     S = int(sample_shards.max()) + 1
     names = np.random.default_rng([seed, 99]).permutation(S)
     lag = window - 1 if kind == "shard" else S - 1
     out_e, acc, fus, poss = [], [], [], []
     for e in range(epochs):
         if kind == "shard":
-            o = order_mod.epoch_order(groups, seed, e, window)
+            o = blocked.epoch_order(groups, seed, e, window)
         else:
             o = np.random.default_rng([seed, e, 7]).permutation(len(sample_shards))
         s = names[sample_shards[o]]
         keep = np.ones(len(s), bool)
         keep[1:] = s[1:] != s[:-1]
         tr = s[keep]
-        fu = order_mod.first_use_order(tr)  # what ShardShuffleSampler announces
+        fu = blocked.first_use_order(tr)  # what ShardShuffleSampler announces
         idx = np.full(S, -1, np.int64)
         idx[fu] = np.arange(len(fu))
         pos = np.maximum(np.maximum.accumulate(idx[tr]) - lag, 0)

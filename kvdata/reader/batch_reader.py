@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from .. import format as fmt
-from .. import order as order_mod
 from ..errors import KVDataError
+from ..order import blocked
 from .open import open_dataset
 from .ring import END, Ring, Slot
 
@@ -53,7 +53,7 @@ class BatchReader:
             self._store.close()
             raise KVDataError(f"{path}: {len(self._store)} records cannot be split across {world_size} ranks")
         self.field = field or self._guess_field()
-        self._groups = order_mod.group_by_shard(np.asarray(self._store.sample_shards))
+        self._groups = blocked.group_by_shard(np.asarray(self._store.sample_shards))
         self._per_epoch = len(self._epoch_indices(0))
         self.epoch = 0        # epochs completed by the cursor, as of the last batch returned
         self._store_lock = threading.Lock()
@@ -77,7 +77,7 @@ class BatchReader:
 
     def _epoch_indices(self, epoch: int) -> np.ndarray:
         if self.shuffle_shards:
-            full = order_mod.epoch_order(self._groups, self.seed, epoch, window=1, shuffle=True, inner=False)
+            full = blocked.epoch_order(self._groups, self.seed, epoch, window=1, shuffle=True, inner=False)
         else:
             full = np.arange(self._groups.num_samples)
         return full[self.rank::self.world_size]

@@ -2,7 +2,7 @@
 
 The order comes from kvdata.order (numpy only), so the stager plans with exactly
 the sequence this sampler yields. With locality=True each node keeps a stable part of
-the shards (kvdata.order.locality_shares), so its tier keeps serving it epoch after epoch.
+the shards (kvdata.order.locality.locality_shares), so its tier keeps serving it epoch after epoch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import numpy as np
 import torch.distributed as dist
 import torch.utils.data
 
-from .. import order as order_mod
+from ..order import blocked
+from ..order import locality as locality_order
 
 STATE_VERSION = 1
 
@@ -80,13 +81,13 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         self.nodes, self.node, self._slot = 1, 0, self.rank   # the row of the plan this rank reads
         if self.locality:
             self.nodes, self.node, self._slot = _node_identity(self.rank, self.world_size, nodes, node, distributed)
-            order_mod.exchange_rate(self.nodes, self.exchange)  # validates exchange
+            locality_order.exchange_rate(self.nodes, self.exchange)  # validates exchange
         shards = np.asarray(dataset.sample_shards)
-        self._groups = order_mod.group_by_shard(shards)
+        self._groups = blocked.group_by_shard(shards)
         self._shards = shards
         # the locality row is replayed epoch by epoch: remembering it makes the next epoch's cheap
-        self._slots = order_mod.SlotCache(self._groups.counts, self.seed, self.exchange) if self.locality else None
-        self.num_samples = order_mod.samples_per_rank(len(shards), self.world_size, self.drop_last)
+        self._slots = locality_order.SlotCache(self._groups.counts, self.seed, self.exchange) if self.locality else None
+        self.num_samples = blocked.samples_per_rank(len(shards), self.world_size, self.drop_last)
         self._dataset = dataset  # announce()/progress() feed the staging engine, if it has them
         self._reader = f"sampler-{os.getpid()}-{id(self):x}-rank{self.rank}"
         self.epoch = 0
@@ -121,19 +122,19 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
             if cached == key:
                 return mine
         if self.locality:
-            mine = order_mod.locality_shares(self._groups, self.seed, e, self.nodes, self.world_size, self.exchange,
-                                             self.window, self.shuffle, self.drop_last, history,
-                                             cache=self._slots)[self._slot]
+            mine = locality_order.locality_shares(self._groups, self.seed, e, self.nodes, self.world_size, self.exchange,
+                                                  self.window, self.shuffle, self.drop_last, history,
+                                                  cache=self._slots)[self._slot]
         else:
-            full = order_mod.epoch_order(self._groups, self.seed, e, self.window, self.shuffle)
-            mine = order_mod.rank_share(full, self.rank, self.world_size, self.drop_last)
+            full = blocked.epoch_order(self._groups, self.seed, e, self.window, self.shuffle)
+            mine = blocked.rank_share(full, self.rank, self.world_size, self.drop_last)
         self._cache = (self._cache + [(key, mine)])[-2:]  # this epoch and the next
         return mine
 
     def shard_order(self, epoch: int | None = None) -> np.ndarray:
         """Shard ids in the order this rank first reads them in an epoch."""
         idx = self.indices(epoch)
-        return order_mod.first_use_order(self._shards[idx])
+        return blocked.first_use_order(self._shards[idx])
 
     def __iter__(self) -> Iterator[int]:
         if not self._resuming:           # iterating an epoch again starts it from its beginning
@@ -158,7 +159,7 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         if announce is None or not len(mine) or not getattr(self._dataset, "wants_orders", True):
             return None  # nothing listens (a dataset read in place): no order bookkeeping
         shards = self._shards[mine]
-        seq = order_mod.first_use_order(shards)
+        seq = blocked.first_use_order(shards)
         rank_of = np.zeros(int(shards.max()) + 1, dtype=np.int64)
         rank_of[seq] = np.arange(len(seq))
         pos = np.maximum.accumulate(rank_of[shards])  # furthest shard reached so far
@@ -187,12 +188,12 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
     def _planned_next(self) -> np.ndarray:
         """The next epoch's shard sequence for the stager's plan. Not the next epoch's whole
         order, which would cost as much again before this epoch's first index: the shard
-        permutation at window granularity (order.planned_shard_sequence), or, for the locality
+        permutation at window granularity (blocked.planned_shard_sequence), or, for the locality
         order, the node's part of it."""
         if self.locality:
-            return order_mod.first_use_order(self._shards[self._order_of(self.epoch + 1)])
-        return order_mod.planned_shard_sequence(self._groups, self.seed, self.epoch + 1, self.window, self.rank,
-                                                self.world_size, self.drop_last)
+            return blocked.first_use_order(self._shards[self._order_of(self.epoch + 1)])
+        return blocked.planned_shard_sequence(self._groups, self.seed, self.epoch + 1, self.window, self.rank,
+                                              self.world_size, self.drop_last)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where to resume. `consumed` = samples of this epoch the training loop has
@@ -237,7 +238,7 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         else:
             history = _parse_history(state)
             s_nodes, s_world = int(state["nodes"]), int(state["world_size"])
-            bound = order_mod.samples_per_rank(len(self._shards), s_world, self.drop_last)
+            bound = blocked.samples_per_rank(len(self._shards), s_world, self.drop_last)
             if not 0 <= pos <= bound:
                 raise ValueError(f"sampler state position {pos} is outside [0, {bound}]")
             if (s_nodes, s_world) != (self.nodes, self.world_size):

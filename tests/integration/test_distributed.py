@@ -122,7 +122,7 @@ def run_job(dataset: Path, tmp: Path) -> list[dict]:
 
 
 def test_two_gloo_ranks(tmp_path: Path) -> None:
-    from kvdata import order as om
+    from kvdata.order import blocked as om
     from kvdata.reader.sampler import ShardShuffleSampler
 
     dataset = build(tmp_path / "ds.kv")

@@ -12,7 +12,7 @@ import pytest
 import torch.utils.data
 
 import kvdata
-from kvdata import order as om
+from kvdata.order import blocked as om
 from kvdata.reader.sampler import ShardShuffleSampler
 
 PER_SHARD, FULL_SHARDS, EXTRA = 25, 40, 3

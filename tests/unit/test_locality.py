@@ -1,4 +1,4 @@
-"""Locality-aware sampling: ShardShuffleSampler(locality=True) and kvdata.order's locality orders.
+"""Locality-aware sampling: ShardShuffleSampler(locality=True) and kvdata.order.locality's orders.
 
 Nodes and ranks are simulated with the rank/world_size/nodes arguments (a rank's node is
 rank // ranks per node, torchrun's layout); one test runs two real gloo ranks that find their
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdata import order as om
+from kvdata.order import blocked, locality
 from kvdata.reader.sampler import ShardShuffleSampler, _node_identity
 
 
@@ -75,7 +75,7 @@ def test_uneven_dataset_equal_len_and_at_most_padding(nodes, per_node, drop_last
     ss = samplers(UNEVEN, nodes, per_node, seed=1, exchange=0.2, drop_last=drop_last)
     for e in range(3):
         shares = run_epoch(ss, e)
-        per = om.samples_per_rank(n, world, drop_last)
+        per = blocked.samples_per_rank(n, world, drop_last)
         assert all(len(x) == len(s) == per for x, s in zip(shares, ss))
         flat = list(itertools.chain(*shares))
         if drop_last:
@@ -89,10 +89,10 @@ def test_a_node_reads_its_own_shards() -> None:
     even out the nodes' counts), and the parts of the nodes are disjoint."""
     ds = Shards([30] * 256)
     ss = samplers(ds, 4, 2, seed=0, exchange=0.1)
-    g = om.group_by_shard(ds.sample_shards)
+    g = blocked.group_by_shard(ds.sample_shards)
     for e in range(3):
         shares = run_epoch(ss, e)
-        part = om.node_of_shards(g, 0, e, 4, 0.1)
+        part = locality.node_of_shards(g, 0, e, 4, 0.1)
         for j in range(4):
             mine = np.concatenate([shares[2 * j], shares[2 * j + 1]])
             own = part[ds.sample_shards[mine]] == j
@@ -134,8 +134,8 @@ def epoch_of(s: ShardShuffleSampler, e: int) -> list[int]:
 @pytest.mark.parametrize("nodes", [2, 4, 16])
 @pytest.mark.parametrize("exchange", [0.0, 0.05, 0.1, 0.3])
 def test_a_node_keeps_all_but_about_exchange_of_its_shards(nodes, exchange) -> None:
-    g = om.group_by_shard(np.repeat(np.arange(800), 10))
-    parts = [om.node_of_shards(g, 9, e, nodes, exchange) for e in range(30)]
+    g = blocked.group_by_shard(np.repeat(np.arange(800), 10))
+    parts = [locality.node_of_shards(g, 9, e, nodes, exchange) for e in range(30)]
     moved = []
     for a, b in zip(parts, parts[1:]):
         for j in range(nodes):
@@ -168,19 +168,19 @@ def test_the_sampler_moves_about_exchange_of_a_nodes_shards() -> None:
 @pytest.mark.parametrize("exchange,epochs", [(0.1, 500), (0.3, 300), (1.0, 150)])
 def test_every_pair_of_shards_meets_on_a_node(exchange, epochs) -> None:
     k, nodes = 40, 4
-    g = om.group_by_shard(np.repeat(np.arange(k), 5))
+    g = blocked.group_by_shard(np.repeat(np.arange(k), 5))
     met = np.zeros((k, k), dtype=bool)
     first_all = None
-    cache = om.SlotCache(g.counts, 1, exchange)                   # replays one epoch per call, not e
+    cache = locality.SlotCache(g.counts, 1, exchange)                   # replays one epoch per call, not e
     for e in range(epochs):
-        p = om.node_of_shards(g, 1, e, nodes, exchange, cache=cache)
+        p = locality.node_of_shards(g, 1, e, nodes, exchange, cache=cache)
         met |= p[:, None] == p[None, :]
         if first_all is None and met.all():
             first_all = e
     assert met.all(), f"{int((~met).sum()) // 2} pairs never met in {epochs} epochs"
     assert first_all is not None and first_all < epochs
     # exchange=0: the partition never changes, so shards of different nodes never meet
-    p0 = [om.node_of_shards(g, 1, e, nodes, 0.0) for e in range(5)]
+    p0 = [locality.node_of_shards(g, 1, e, nodes, 0.0) for e in range(5)]
     assert all(np.array_equal(p0[0], p) for p in p0)
 
 
@@ -197,12 +197,12 @@ GRID = [(nodes, per_node, sizes) for nodes in (2, 4, 8, 16) for per_node in (16,
 def node_reads(counts: np.ndarray, nodes: int, per_node_ranks: int, exchange: float, epochs: int,
                seed: int = 0) -> list[list[dict[int, int]]]:
     """For each epoch and node: {shard: samples of it the node's ranks read}, from locality_shares."""
-    g = om.group_by_shard(np.repeat(np.arange(len(counts)), counts))
+    g = blocked.group_by_shard(np.repeat(np.arange(len(counts)), counts))
     shard_of = np.repeat(np.arange(len(counts)), counts)
-    cache = om.SlotCache(g.counts, seed, exchange)
+    cache = locality.SlotCache(g.counts, seed, exchange)
     out = []
     for e in range(epochs):
-        shares = om.locality_shares(g, seed, e, nodes, nodes * per_node_ranks, exchange, window=4, cache=cache)
+        shares = locality.locality_shares(g, seed, e, nodes, nodes * per_node_ranks, exchange, window=4, cache=cache)
         per = []
         for j in range(nodes):
             samples = np.unique(shares[j * per_node_ranks:(j + 1) * per_node_ranks])     # padding repeats some
@@ -244,11 +244,11 @@ def test_at_most_one_split_shard_per_pair_of_neighbours(nodes, per_node, sizes) 
 def test_node_counts_differ_by_at_most_one() -> None:
     """The cuts are even: every node's order has n // nodes or n // nodes + 1 samples, also over
     what a resume leaves (keep), so ranks get equal counts with padding from their own node."""
-    g = om.group_by_shard(UNEVEN.sample_shards)
+    g = blocked.group_by_shard(UNEVEN.sample_shards)
     n = g.num_samples
     keep = np.random.default_rng(1).random(n) < 0.6
     for nodes, e, k in itertools.product((2, 3, 5), (0, 3), (None, keep)):
-        order, bounds = om.locality_node_orders(g, 2, e, nodes, 0.2, window=3, keep=k)
+        order, bounds = locality.locality_node_orders(g, 2, e, nodes, 0.2, window=3, keep=k)
         left = n if k is None else int(k.sum())
         assert sorted(order.tolist()) == (list(range(n)) if k is None else np.flatnonzero(k).tolist())
         assert set(np.diff(bounds).tolist()) <= {left // nodes, left // nodes + 1}
@@ -256,9 +256,9 @@ def test_node_counts_differ_by_at_most_one() -> None:
 
 def test_padding_repeats_the_nodes_own_samples() -> None:
     ds = Shards([7] * 9)                                         # 63 samples on 4 nodes x 2 ranks: 8 a rank
-    g = om.group_by_shard(ds.sample_shards)
-    order, bounds = om.locality_node_orders(g, 3, 1, 4, 0.1, window=2)
-    shares = om.locality_shares(g, 3, 1, 4, 8, 0.1, window=2)
+    g = blocked.group_by_shard(ds.sample_shards)
+    order, bounds = locality.locality_node_orders(g, 3, 1, 4, 0.1, window=2)
+    shares = locality.locality_shares(g, 3, 1, 4, 8, 0.1, window=2)
     assert shares.shape == (8, 8)
     for j in range(4):
         mine = shares[2 * j:2 * j + 2].ravel()
@@ -269,13 +269,13 @@ def test_padding_repeats_the_nodes_own_samples() -> None:
 
 def test_slot_cache_is_the_replay_from_scratch() -> None:
     counts = layout_counts(4, 16, "unequal")
-    cache = om.SlotCache(counts, 5, 0.1)
+    cache = locality.SlotCache(counts, 5, 0.1)
     for e in [0, 1, 2, 7, 3, 30, 30, 31, 0]:                      # forwards, back, the same epoch again
         for nodes in (2, 4):
-            assert np.array_equal(cache.slots(e, nodes), om.shard_slots(counts, 5, e, nodes, 0.1))
-    g = om.group_by_shard(np.repeat(np.arange(len(counts)), counts))
+            assert np.array_equal(cache.slots(e, nodes), locality.shard_slots(counts, 5, e, nodes, 0.1))
+    g = blocked.group_by_shard(np.repeat(np.arange(len(counts)), counts))
     with pytest.raises(ValueError, match="SlotCache"):
-        om.locality_shares(g, 6, 0, 4, 4, 0.1, cache=cache)       # another seed
+        locality.locality_shares(g, 6, 0, 4, 4, 0.1, cache=cache)       # another seed
     with pytest.raises(ValueError, match="epoch"):
         cache.slots(-1, 4)
 
@@ -285,8 +285,8 @@ def test_slots_keep_every_cut_inside_its_split_shard() -> None:
     the split shard of j and j + 1 (if any) covers it."""
     for sizes in ("equal", "unequal"):
         counts = layout_counts(8, 16, sizes, seed=3)
-        cache = om.SlotCache(counts, 3, 0.3)
-        cuts = om.node_cuts(int(counts.sum()), 8)
+        cache = locality.SlotCache(counts, 3, 0.3)
+        cuts = locality.node_cuts(int(counts.sum()), 8)
         for e in range(40):
             slot = cache.slots(e, 8)
             per_slot = np.bincount(slot, weights=counts, minlength=15).astype(np.int64)
@@ -344,7 +344,7 @@ def test_resume_4x2_onto_2x2_visits_the_rest_once(pos) -> None:
     assert not set(flat) & set(done)
     assert sorted(flat + done) == list(range(960))             # 960 - 8 pos divides by 4: no padding
     # the new nodes read their own part of the shards (the new world's partition)
-    part = om.node_of_shards(om.group_by_shard(EVEN.sample_shards), 5, 2, 2, 0.1)
+    part = locality.node_of_shards(blocked.group_by_shard(EVEN.sample_shards), 5, 2, 2, 0.1)
     for j in range(2):
         mine = rest[2 * j] + rest[2 * j + 1]
         if pos <= 50:                                            # (not when a few samples are left)
@@ -413,7 +413,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="exchange"):
         ShardShuffleSampler(EVEN, rank=0, world_size=4, nodes=2, exchange=1.5, locality=True)
     with pytest.raises(ValueError, match="nodes"):
-        om.node_of_shards(om.group_by_shard(EVEN.sample_shards), 0, 0, 0, 0.1)
+        locality.node_of_shards(blocked.group_by_shard(EVEN.sample_shards), 0, 0, 0, 0.1)
 
 
 def test_node_identity() -> None:
@@ -486,7 +486,7 @@ def test_announces_the_nodes_shards_this_epoch_and_next() -> None:
     this = list(dict.fromkeys(ds.sample_shards[got].tolist()))
     nxt = s.shard_order(1).tolist()
     assert ds.announced == [this + nxt] and ds.progress_calls > 0
-    part0, part1 = (om.node_of_shards(om.group_by_shard(ds.sample_shards), 2, e, 2, 0.1) for e in (0, 1))
+    part0, part1 = (locality.node_of_shards(blocked.group_by_shard(ds.sample_shards), 2, e, 2, 0.1) for e in (0, 1))
     assert np.mean(part0[this] == 1) >= 0.9 and np.mean(part1[nxt] == 1) >= 0.9   # node 1's shards
 
 
@@ -494,10 +494,10 @@ def test_announces_the_nodes_shards_this_epoch_and_next() -> None:
 
 def test_plans_10m_samples_quickly(capsys: pytest.CaptureFixture[str]) -> None:
     n = 10_000_000
-    g = om.group_by_shard(np.repeat(np.arange(1000, dtype=np.uint32), n // 1000))
-    om.locality_shares(g, 0, 0, 2, 2, 0.1)         # warm up numpy
+    g = blocked.group_by_shard(np.repeat(np.arange(1000, dtype=np.uint32), n // 1000))
+    locality.locality_shares(g, 0, 0, 2, 2, 0.1)         # warm up numpy
     t0 = time.perf_counter()
-    shares = om.locality_shares(g, 0, 7, 16, 128, 0.1, window=8)
+    shares = locality.locality_shares(g, 0, 7, 16, 128, 0.1, window=8)
     dt = time.perf_counter() - t0
     assert shares.shape == (128, n // 128) and shares.dtype == np.int32
     assert (np.bincount(shares.ravel(), minlength=n) == 1).all()
@@ -516,16 +516,16 @@ def test_plans_10m_samples_quickly(capsys: pytest.CaptureFixture[str]) -> None:
 def test_locality_shares_cover_the_rest_of_the_epoch_once(counts, seed, epoch, exchange, worlds, drop_last) -> None:
     """A chain of worlds in one epoch, each reading part of its share: together they read every
     sample at most once apart from the padding, and without drop_last every sample."""
-    g = om.group_by_shard(np.repeat(np.arange(len(counts)), counts))
+    g = blocked.group_by_shard(np.repeat(np.arange(len(counts)), counts))
     n = g.num_samples
     history: list[tuple[int, int, int]] = []
     read: list[int] = []
     for i, (nodes, per_node, frac) in enumerate(worlds):
         world = nodes * per_node
-        shares = om.locality_shares(g, seed, epoch, nodes, world, exchange, window=3, drop_last=drop_last,
-                                    history=tuple(history))
+        shares = locality.locality_shares(g, seed, epoch, nodes, world, exchange, window=3, drop_last=drop_last,
+                                          history=tuple(history))
         left = n - len(set(read))
-        assert shares.shape == (world, om.samples_per_rank(left, world, drop_last))
+        assert shares.shape == (world, blocked.samples_per_rank(left, world, drop_last))
         flat = shares.ravel().tolist()
         assert not set(flat) & set(read)                                   # nothing read twice
         if drop_last:
@@ -546,7 +546,7 @@ def test_empty_and_tiny_datasets() -> None:
         n = len(ds)
         ss = samplers(ds, 3, 2, seed=0)
         shares = run_epoch(ss, 0)
-        assert all(len(x) == om.samples_per_rank(n, 6, False) for x in shares)
+        assert all(len(x) == blocked.samples_per_rank(n, 6, False) for x in shares)
         assert set(itertools.chain(*shares)) == set(range(n))
 
 

@@ -1,4 +1,4 @@
-"""kvdata.order: the seeded, shard-blocked epoch order and the split across ranks (numpy only)."""
+"""kvdata.order.blocked: the seeded, shard-blocked epoch order and the split across ranks (numpy only)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdata import order as om
+from kvdata.order import blocked as om
 
 # ---------------------------------------------------------------- helpers
 
@@ -308,7 +308,7 @@ def test_the_order_and_the_next_are_announced_before_the_first_index() -> None:
     shards = ds.sample_shards[np.array(out)]
     _, first = np.unique(shards, return_index=True)
     assert seq[:10] == shards[np.sort(first)].tolist()  # this epoch's shards in first-use order
-    from kvdata import order as om
+    from kvdata.order import blocked as om
 
     groups = om.group_by_shard(ds.sample_shards)  # then the next epoch's, planned from its shard permutation
     assert seq[10:] == om.planned_shard_sequence(groups, 3, 1, sampler.window, 0, 1, False).tolist()
@@ -352,7 +352,7 @@ def test_planned_shard_sequence_covers_the_ranks_shards_in_window_order(seed: in
     """order.planned_shard_sequence (the next epoch's plan announced with this epoch's order)
     lists every shard the rank will read, windows in reading order, and at most the shards of
     the two windows cut at the slice's ends besides."""
-    from kvdata import order as om
+    from kvdata.order import blocked as om
 
     rng = np.random.default_rng(seed)
     counts = rng.integers(1, 40, rng.integers(1, 60))
