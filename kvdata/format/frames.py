@@ -135,7 +135,7 @@ def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
                 return None
             hdr = _block(u8, node, 6).view("<u2").astype(np.int64)  # lo, hi, flags = the child's page number
             pages = hdr[:, 0] | (hdr[:, 1] << 16) | (hdr[:, 2] << 32)
-            if len(np.unique(pages)) != len(pages):  # a tree, not a graph that revisits pages
+            if not len(pages) or len(np.unique(pages)) != len(pages):  # a tree, not a graph that revisits pages
                 return None
             continue
         return _leaf_values(u8, node, ptrs, psize, page_base, entries, npages, size)
