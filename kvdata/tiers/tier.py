@@ -17,42 +17,16 @@ file is flocked by its stager from its creation (under the budget lock) until it
 real name, so a temp nobody holds is provably abandoned -- its stager was killed -- and
 the next reservation removes it (`reclaim_abandoned`); until then it counts as used.
 
-**Whose copies are served (a tier shared by several users).** A name `<sha256>.mdb` is
-trusted only when nobody but this uid (or root) can have put that file under that name:
-
-- the copy is a regular file (not a symlink) owned by this uid, with one link, that
-  others cannot write (copies are created 0644 at most -- 0600 under the daemon's umask
-  -- and 0600 in a shared directory);
-- its directory and every ancestor (of the configured path and of the path it resolves
-  to) are owned by this uid or root and are not writable by others unless sticky: nobody
-  else can rename an entry in them or swap a directory in the path (a group counts as
-  others unless it is our user private group: named after us, nobody else in it);
-- a shared tier -- a sticky directory others may write, like /tmp or a root-owned 1777
-  directory -- also needs the kernel's fs.protected_hardlinks=1, so nobody can hardlink
-  one of our copies under another shard's name.
-
-A tier that fails these rules is skipped (`problem` says why and how to fix it): reads
-come from another tier, from the home, or from a private copy in memory. Files of other
-uids are never served, counted or evicted; a name another user's file holds in a shared
-tier is not staged here (the reader reads around it).
-
-*Why not verify foreign copies' sha256 on first use instead:* the owner of a file can
-rewrite it after the check (they may chmod their own file), and a reader's map shows the
-new bytes -- only a private copy would be safe, which costs what staging our own does.
-*Why not a per-uid subdirectory:* it would need the same ownership checks (another user
-could create it first) and would change the layout kvdatad and the tools share; with
-the rules above, content-named copies in one directory give the same guarantee. The
-budget is per uid: only our own files can be counted and evicted by us.
+**Whose copies are served** in a tier shared by several users: only those nobody but this uid
+(or root) can have put under their name (the rules, and why: kvdata.tiers.tier_trust). Claim
+files -- who reads what here, and how -- are kvdata.tiers.claim_files (Tier inherits them).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import functools
-import grp
 import os
-import pwd
 import secrets
 import signal
 import stat
@@ -65,12 +39,13 @@ from typing import BinaryIO
 from .._util.fsutil import unlink_quiet
 from ..config import TierConfig
 from ..format import names
+from .claim_files import ClaimFiles
+from .tier_trust import directory_problem, ours
 
 PIN_SECONDS = 5.0
 METADATA_DIR = "datasets"  # kvdata.tiers.mirror.cache_root puts remote datasets' indexes here
 METADATA_TTL = 2.0
 TRUST_RECHECK = 30.0  # seconds a directory's trust verdict is kept (only its owner, us or root, can change it)
-PROTECTED_HARDLINKS = Path("/proc/sys/fs/protected_hardlinks")
 
 
 class Reservation:
@@ -88,7 +63,7 @@ class Reservation:
             self.file.close()
 
 
-class Tier:
+class Tier(ClaimFiles):
     """One cache directory with a byte budget: <root>/shards/<sha256>.mdb."""
 
     def __init__(self, cfg: TierConfig) -> None:
@@ -161,12 +136,12 @@ class Tier:
         self._problem_until = time.monotonic() + seconds
 
     def untrusted(self) -> str | None:
-        """Why names in this tier cannot be trusted (module docstring), or None; a missing
+        """Why names in this tier cannot be trusted (kvdata.tiers.tier_trust), or None; a missing
         directory is not judged (nothing in it is served)."""
         now = time.monotonic()
         if now < self._trust_until:
             return self._untrusted
-        why, shared = _directory_problem(self.dir, self.locks)
+        why, shared = directory_problem(self.dir, self.locks)
         if why is not None or self.dir.is_dir():
             self._untrusted, self._shared, self._trust_until = why, shared, now + TRUST_RECHECK
         return why
@@ -176,12 +151,12 @@ class Tier:
 
     def has(self, sha: str) -> bool:
         """A copy under this name that this uid staged (a symlink, or a file planted by
-        another user, is never served, counted or evicted; see the module docstring)."""
+        another user, is never served, counted or evicted; see kvdata.tiers.tier_trust)."""
         try:
             st = os.lstat(self.dir / names.staged_name(sha))
         except OSError:
             return False
-        return _ours(st) and self.untrusted() is None
+        return ours(st) and self.untrusted() is None
 
     def occupied(self, sha: str) -> bool:
         """Another user's file holds this name and we may not replace it (a sticky shared
@@ -192,7 +167,7 @@ class Tier:
         except OSError:
             return False
         me = os.geteuid()
-        return (not _ours(st) and st.st_uid != me and me != 0 and dst.st_uid != me
+        return (not ours(st) and st.st_uid != me and me != 0 and dst.st_uid != me
                 and bool(dst.st_mode & stat.S_ISVTX))
 
     def resident(self) -> dict[str, int]:
@@ -209,7 +184,7 @@ class Tier:
                             st = e.stat(follow_symlinks=False)
                         except FileNotFoundError:
                             continue
-                        if _ours(st):
+                        if ours(st):
                             out[sha] = st.st_size
         except FileNotFoundError:
             pass
@@ -334,158 +309,6 @@ class Tier:
             os.close(fd)  # (gives the lease back)
         return "gone"
 
-    # ------------------------------------------------------------ who reads what here, and how
-
-    def _claims_dir(self, create: bool) -> Path:
-        """`locks/claims-<uid>`: this uid's claim files (a directory of their own: the locks
-        directory holds a staging lock per shard ever staged, too many to list twice a second)."""
-        d = self.locks / f"claims-{os.geteuid()}"
-        if create:
-            self.locks.mkdir(mode=0o755, exist_ok=True)
-            try:
-                d.mkdir(mode=0o700)
-            except FileExistsError:
-                pass
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _others_may_write(st):
-            raise OSError(errno.EACCES, f"{d} is not a claims directory of uid {os.geteuid()}")
-        return d
-
-    def claim(self, name: str) -> int:
-        """Hold a shared flock on the claim file `locks/claims-<uid>/<name>` (created if needed)
-        for as long as the returned descriptor stays open: other processes see the claim
-        (`claims`) until it is closed or its process dies. The engine claims the datasets it
-        reads, in the mode it reads them (kvdata.tiers.engine, the policy for unannounced orders)."""
-        d = self._claims_dir(create=True)
-        fd = os.open(d / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise OSError(errno.EACCES, f"{d / name} is not a claim file of uid {os.geteuid()}")
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def claims(self, prefix: str) -> dict[str, bytes]:
-        """name -> content (at most 256 bytes) of this uid's claim files whose name starts with
-        `prefix` and that some process holds (an exclusive probe fails). A claim nobody holds is
-        left alone: claim files are shared by name, and its next holder may be about to lock it."""
-        try:
-            d = self._claims_dir(create=False)
-            listed = os.listdir(d)
-        except OSError:
-            return {}
-        out: dict[str, bytes] = {}
-        for n, fd, _st, held in self._probe(d, listed, prefix):
-            if held:
-                try:
-                    out[n] = os.pread(fd, 256, 0)
-                except OSError:
-                    continue
-        return out
-
-    def publish(self, name: str, data: bytes) -> int:
-        """Write `data` to `locks/claims-<uid>/<name>` and hold a shared flock on it for as
-        long as the returned descriptor stays open (like `claim`). The file is flocked before
-        it gets its name, so a live publisher's file is never taken for a dead one's."""
-        d = self._claims_dir(create=True)
-        tmp = d / f".{name}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            view = memoryview(data)
-            while view:
-                view = view[os.pwrite(fd, view, len(data) - len(view)):]
-            os.rename(tmp, d / name)
-            return fd
-        except BaseException:
-            os.close(fd)
-            unlink_quiet(tmp)
-            raise
-
-    def withdraw(self, name: str, fd: int) -> None:
-        """Remove a file `publish` made (if `fd` still is it) and let its flock go."""
-        try:
-            p = self._claims_dir(create=False) / name
-            st, now = os.fstat(fd), os.lstat(p)
-            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
-                unlink_quiet(p)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    def published(self, prefix: str) -> Iterator[tuple[str, int, os.stat_result]]:
-        """(name, an open read-only descriptor, its stat) for each of this uid's files in the
-        claims directory whose name starts with `prefix` and that a live process holds; a
-        file nobody holds any more (its publisher died) is removed. Descriptors are closed
-        when the iteration moves on."""
-        try:
-            d = self._claims_dir(create=False)
-            listed = os.listdir(d)
-        except OSError:
-            return
-        for n in listed:  # a publisher killed before its file got its name left the temp name
-            if n.startswith(f".{prefix}"):
-                self._remove_unheld(d / n)
-        for n, fd, st, held in self._probe(d, listed, prefix):
-            if held:
-                yield n, fd, st
-                continue
-            try:
-                now = os.lstat(d / n)
-            except OSError:
-                continue
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                unlink_quiet(d / n)  # its publisher is gone (a live one holds it from before its name)
-
-    @staticmethod
-    def _probe(d: Path, listed: list[str], prefix: str) -> Iterator[tuple[str, int, os.stat_result, bool]]:
-        """(name, read-only descriptor, stat, whether another process holds it) of this uid's
-        regular files in `d` whose name starts with `prefix`, opened without following links;
-        each descriptor is closed when the iteration moves on (an unheld one is exclusively
-        locked by us until then)."""
-        for n in listed:
-            if not n.startswith(prefix):
-                continue
-            try:
-                fd = os.open(d / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    held = False
-                except BlockingIOError:
-                    held = True
-                yield n, fd, st, held
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-
-    @staticmethod
-    def _remove_unheld(p: Path) -> None:
-        try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            st, now = os.fstat(fd), os.lstat(p)
-            old = time.time() - st.st_mtime > 10.0  # not one being published right now (created, not yet locked)
-            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino) and st.st_uid == os.geteuid() and old:
-                unlink_quiet(p)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
     @contextmanager
     def budget_lock(self) -> Iterator[None]:
         """Cross-process, this uid: reservations (count, evict, create the temp) one at a time."""
@@ -531,71 +354,6 @@ def _lease(fd: int) -> str | None:
 
 def _is_temp(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
-
-
-def _ours(st: os.stat_result) -> bool:
-    """A copy this uid made: a regular file it owns, with one link, that nobody else can write."""
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1 and not _others_may_write(st)
-
-
-def _directory_problem(shards: Path, locks: Path) -> tuple[str | None, bool]:
-    """(why names in `shards` cannot be trusted or None, whether others may write it: shared).
-    Every directory on the way -- of the configured path and of the one it resolves to -- must
-    be owned by root or us and not writable by others unless sticky."""
-    me = os.geteuid()
-    seen: set[Path] = set()
-    shared = False
-    for top in (shards, locks):
-        for p in (Path(os.path.abspath(top)), Path(os.path.realpath(top))):
-            for d in (p, *p.parents):
-                if d in seen:
-                    continue
-                seen.add(d)
-                try:
-                    st = os.stat(d)
-                except FileNotFoundError:
-                    continue
-                except OSError as e:
-                    return f"{d} cannot be checked ({e.strerror or e})", False
-                if st.st_uid not in (0, me):
-                    return (f"{d} is owned by uid {st.st_uid}, who could swap the copies in this tier; use a tier "
-                            f"directory of your own (or one owned by root with mode 1777)"), False
-                others_write = _others_may_write(st)
-                if others_write and not st.st_mode & stat.S_ISVTX:
-                    return (f"{d} is writable by other users, who could swap the copies in this tier; remove "
-                            "group/other write permission (or make it sticky: chmod +t)"), False
-                if others_write and d == p and top == shards:
-                    shared = True
-    if shared and _protected_hardlinks() != 1:
-        return (f"{shards} is shared with other users (sticky, writable by others) but fs.protected_hardlinks is "
-                "not 1, so they could hardlink your copies under other names; set it (sysctl) or use a private "
-                "tier directory"), True
-    return None, shared
-
-
-def _others_may_write(st: os.stat_result) -> bool:
-    """Whether a user other than us may write this file or directory (its group too, unless
-    it is our user private group: named after us and with nobody else in it)."""
-    if st.st_mode & stat.S_IWOTH:
-        return True
-    return bool(st.st_mode & stat.S_IWGRP) and not _private_group(st.st_gid, os.geteuid(), os.getegid())
-
-
-@functools.lru_cache(maxsize=64)
-def _private_group(gid: int, uid: int, egid: int) -> bool:
-    try:
-        group = grp.getgrgid(gid)
-        me = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return False
-    return gid == egid and group.gr_name == me and set(group.gr_mem) <= {me}
-
-
-def _protected_hardlinks() -> int:
-    try:
-        return int(PROTECTED_HARDLINKS.read_text().strip())
-    except (OSError, ValueError):
-        return 0
 
 
 TIER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO, errno.EPERM}
