@@ -1,12 +1,12 @@
 """Any fsspec filesystem as a dataset home: gs://, az://, abfs://, hf://, memory://, ... .
 
-S3 and HTTP(S) keep their dedicated homes (kvdata.tiers.homes: boto3's connection pool and
-ranged GETs, one keep-alive connection per thread), which are faster than going through
-fsspec; every other scheme fsspec knows is served here, with fsspec's own ranged reads
-(`cat_file(path, start, end)`), so staging, record-granular reads and `kvdata push` work the
-same way on it. fsspec is an optional extra (`pip install 'kvdata[fsspec]'`, plus the
-scheme's own package: gcsfs, adlfs, huggingface_hub, ...); credentials come from where
-that package looks for them, never from the URL.
+S3 and HTTP(S) keep their dedicated homes (kvdata.tiers.s3_home: boto3's connection pool;
+kvdata.tiers.http_home: ranged GETs, one keep-alive connection per thread), which are faster
+than going through fsspec; every other scheme fsspec knows is served here, with fsspec's own
+ranged reads (`cat_file(path, start, end)`), so staging, record-granular reads and
+`kvdata push` work the same way on it. fsspec is an optional extra (`pip install
+'kvdata[fsspec]'`, plus the scheme's own package: gcsfs, adlfs, huggingface_hub, ...);
+credentials come from where that package looks for them, never from the URL.
 
 To go through fsspec for a scheme that has a dedicated home, prefix it with `fsspec+`:
 `fsspec+s3://bucket/ds.kv` is served by s3fs (its own options: endpoint, requester-pays,

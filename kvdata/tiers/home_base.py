@@ -1,6 +1,7 @@
 """The Home interface: where a dataset's truth lives, as one small set of operations on
-names relative to the dataset (kvdata.tiers.homes has the local, S3, HTTP and passed-file
-homes, kvdata.tiers.fsspec_home any other fsspec filesystem)."""
+names relative to the dataset (kvdata.tiers.homes has the local and passed-file homes and
+open_home, kvdata.tiers.s3_home and http_home the S3 and HTTP ones, kvdata.tiers.fsspec_home
+any other fsspec filesystem)."""
 
 from __future__ import annotations
 

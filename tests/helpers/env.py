@@ -8,7 +8,7 @@ Where kvdata looks (read these before changing the list):
 - kvdata/protocol.py: $KVDATA_SOCKET, else the config's [daemon] socket, else
   $XDG_RUNTIME_DIR/kvdata/kvdatad.sock, else /run/kvdata/kvdatad.sock. With
   XDG_RUNTIME_DIR set to an empty temp dir a daemon running on the machine is never found.
-- kvdata/tiers/homes.py: $KVDATA_S3_ADDRESSING; boto3 reads AWS_* and ~/.aws.
+- kvdata/tiers/s3_home.py: $KVDATA_S3_ADDRESSING; boto3 reads AWS_* and ~/.aws.
 - daemon/__main__.py: NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID (systemd); LISTEN_* too.
 
 Subprocesses that tests start inherit os.environ (or build their env from it), so they

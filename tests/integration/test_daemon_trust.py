@@ -36,7 +36,7 @@ import kvdata.tiers.engine
 from kvdata.config import ConfigError, DaemonConfig, normalize_home_url
 from kvdata.errors import DaemonError, RemoteError
 from kvdata.protocol import HEADER, MAX_FRAME, Client
-from kvdata.tiers.homes import HTTPHome
+from kvdata.tiers.http_home import HTTPHome
 from kvdata.tiers.mirror import MAX_MANIFEST_BYTES, mirror
 
 NO_USERS = can_switch_users()

@@ -28,8 +28,9 @@ from kvdata.errors import CorruptDatasetError, InvalidKeyError, KVDataError, Not
 from kvdata.format import names
 from kvdata.reader.open import verify
 from kvdata.tiers.home_merge import merge, merge_at_home
-from kvdata.tiers.homes import S3Home, open_home
+from kvdata.tiers.homes import open_home
 from kvdata.tiers.push import push
+from kvdata.tiers.s3_home import S3Home
 
 SIZES = (300, 1, 250)
 
