@@ -16,17 +16,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import numpy as np
 
 from .. import format as fmt
 from .._util.libc import pages_resident
-from ..errors import CorruptDatasetError, InvalidKeyError, InvalidValueError, KVDataError, MissingShardError
+from ..errors import CorruptDatasetError, InvalidKeyError, InvalidValueError, MissingShardError
 from ..format import ShardEntry, names
-from .generation import Generation, read_manifest
-from .shards import ENVS, SealedShard, check_lmdb_file, open_tail_for_read
+from . import record_metas
+from .generation import Generation
+from .shards import SealedShard
 from .source import ShardSource
 from .stacking import Alloc, Copier
+from .tail_reads import TailReads, lmdb_value
 
 PLAN_CACHE_MAX = 4096
 # Values at least this large get an madvise(WILLNEED) over their exact byte range
@@ -54,7 +55,7 @@ class Reader:
         # With staged copies, a mapped shard holds a reader lock that keeps it from eviction:
         # keep only the most recently used few mapped, so tiers can turn over.
         self.max_open: int | None = source.max_open if source is not None else None
-        self._tail_env: Any = None
+        self._tail = TailReads(self.root, self._map_shard)
         self._plans: dict[bytes, fmt.Plan] = {}
         self._copier = Copier(copy_threads)
         self._readahead = readahead
@@ -72,26 +73,24 @@ class Reader:
             self._sealed.pop(sha).close()                               # its file go (views stay valid)
             self._sealed_ids.pop(sha, None)
         self._handles = [self._sealed.get(s.sha256) for s in gen.shards]
-        if self._tail_env is not None and old_tail != gen.manifest.tail:
-            ENVS.release(self._tail_env)
-            self._tail_env = None
+        if old_tail != gen.manifest.tail:
+            self._tail.release()
 
     def check_fork(self) -> None:
         """After fork, LMDB handles must not be used or closed in the child (the registry keeps
         the parent's alive); memory maps stay valid across fork."""
         if os.getpid() != self._pid:
-            self._tail_env = None
+            self._tail.forget()
             for h in self._sealed.values():
                 h.forget_env()
             self._pid = os.getpid()
 
     def close(self) -> None:
         if os.getpid() == self._pid:
-            if self._tail_env is not None:
-                ENVS.release(self._tail_env)
+            self._tail.release()
             for h in self._sealed.values():
                 h.close()
-        self._tail_env = None
+        self._tail.forget()
         self._sealed.clear()
         self._handles = []
         self._copier.close()
@@ -137,7 +136,7 @@ class Reader:
         if off + head + size > index_.shard_bytes[shard] or head < fmt.PREFIX_SIZE \
                 or (kind != fmt.KIND_RAW and kind != fmt.KIND_FIELDS):
             return self.get_many([i], copy)[0]  # unknown offsets, or a damaged row: the checks name it
-        h = self._handles[shard] or self._handle(shard)
+        h = self._handles[shard] or self.handle(shard)
         if kind == fmt.KIND_RAW:
             a = off + head
             return h.mm[a:a + size] if copy else h.mv[a:a + size]
@@ -168,8 +167,8 @@ class Reader:
             unknown = r["offset"] == fmt.UNKNOWN_OFFSET
             if unknown.any():  # shards sealed where offsets could not be learned: read through LMDB
                 for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
-                    h = self._handle(s)
-                    out[j] = self._decode_at(h.path, sl, _lmdb_value(h, sl), copy)
+                    h = self.handle(s)
+                    out[j] = self._decode_at(h.path, sl, lmdb_value(h, sl), copy)
                 where, sh, r = where[~unknown], sh[~unknown], r[~unknown]
             hk = r["head_kind"]
             self._check_rows(pos[where], sh, r, hk)
@@ -187,7 +186,7 @@ class Reader:
             decode = fmt.decode_plan
             for j, s, off, size, hk_ in zip(where.tolist(), sh.tolist(), r["offset"].tolist(),
                                             r["size"].tolist(), hk.tolist()):
-                h = handles[s] or self._handle(s)
+                h = handles[s] or self.handle(s)
                 head = hk_ & _HEAD_MASK
                 if hk_ >> _KIND_SHIFT == fmt.KIND_RAW:
                     a = off + head
@@ -301,12 +300,12 @@ class Reader:
         shards = sh[big].tolist()
         step = max(1, len(shards) // READAHEAD_PROBES)
         probe = range(0, len(shards), step)
-        if all(pages_resident(self._handle(shards[i]).u8.ctypes.data, (int(starts[i]), int(ends[i]) - 1))
+        if all(pages_resident(self.handle(shards[i]).u8.ctypes.data, (int(starts[i]), int(ends[i]) - 1))
                for i in probe):
             return
         handles = self._handles
         for s, a, b in zip(shards, starts.tolist(), ends.tolist()):
-            h = handles[s] or self._handle(s)
+            h = handles[s] or self.handle(s)
             a0 = a & _PAGE_MASK
             h.mm.madvise(mmap.MADV_WILLNEED, a0, b - a0)
 
@@ -330,7 +329,7 @@ class Reader:
             self.source.need(cold)
         for s in shard_ids:
             if self._handles[s] is None:
-                self._handle(s)
+                self.handle(s)
             self._sealed.move_to_end(shards[s].sha256)
 
     def _unmap(self, sha: str) -> None:
@@ -364,7 +363,7 @@ class Reader:
         except CorruptDatasetError as e:
             raise CorruptDatasetError(f"{path}, slot {slot}: {e}") from None
 
-    def _handle(self, shard_id: int) -> SealedShard:
+    def handle(self, shard_id: int) -> SealedShard:
         """The mapped handle of a sealed shard, mapping it now if needed."""
         h = self._handles[shard_id]
         if h is not None:
@@ -377,58 +376,6 @@ class Reader:
         self._sealed_ids[entry.sha256] = shard_id
         self._handles[shard_id] = h
         return h
-
-    def tail_values(self, slots: list[int]) -> list[bytes]:
-        """Copies of tail records (LMDB buffers die with their transaction)."""
-        env = self._open_tail()
-        if env is None:  # the tail was sealed since we loaded: same slots, now a sealed file
-            return self._former_tail_values(slots)
-        out = []
-        try:
-            with ENVS.read(env) as txn:
-                for s in slots:
-                    v = txn.get(fmt.slot_key(s))
-                    if v is None:
-                        break
-                    out.append(v)
-        except lmdb.Error as e:
-            raise _lmdb_error(self.gen.tail_path, e) from None
-        if len(out) < len(slots):
-            if self._tail_moved_on():  # sealed or rewritten while we read: the sealed file, or a clear error
-                return self._former_tail_values(slots)
-            raise CorruptDatasetError(f"{self.root}: tail record {slots[len(out)]} is missing; run `kvdata verify`")
-        return out
-
-    def _tail_moved_on(self) -> bool:
-        try:
-            current = read_manifest(self.root)
-        except KVDataError:
-            return False
-        mine = self.gen.manifest
-        return current.incarnation != mine.incarnation or current.tail.id != mine.tail.id
-
-    def _former_tail_values(self, slots: list[int]) -> list[bytes]:
-        """Our tail's records from the shard it was sealed into (same incarnation only)."""
-        h = self._sealed_former_tail()
-        try:
-            return [_lmdb_value(h, s) for s in slots]
-        except CorruptDatasetError:
-            if read_manifest(self.root).incarnation != self.gen.manifest.incarnation:
-                raise MissingShardError(f"{self.root} was written again (mode \"w\") since this reader opened it; "
-                                        "open the dataset again") from None
-            raise
-
-    def _open_tail(self) -> Any:
-        if self._tail_env is None:
-            path = self.gen.tail_path
-            try:
-                check_lmdb_file(path)
-                self._tail_env = open_tail_for_read(path, self.gen.manifest.shard_size)
-            except FileNotFoundError:
-                return None
-            except lmdb.Error as e:
-                raise _lmdb_error(path, e) from None
-        return self._tail_env
 
     def _map_shard(self, entry: ShardEntry) -> SealedShard:
         """Map the fastest complete copy; if a staged copy vanishes before we map it, look again."""
@@ -450,130 +397,23 @@ class Reader:
                     raise
         raise AssertionError("unreachable")
 
-    def _sealed_former_tail(self) -> SealedShard:
-        """The shard our tail was sealed into -- only in the same incarnation: after a "w"
-        rewrite a shard with that id holds the new dataset's records, never ours."""
-        mine = self.gen.manifest
-        tid = mine.tail.id
-        current = read_manifest(self.root)
-        if current.incarnation != mine.incarnation:
-            # compacted or written again since: a pinned reader's old files stay (store.pins),
-            # and a name is never reused, so the file of that name holds our tail's records
-            path = self.gen.shards_dir / names.shard_name(tid, mine.incarnation)
-            try:
-                size = os.stat(path, follow_symlinks=False).st_size
-                return SealedShard(path, size)
-            except (OSError, KVDataError):
-                raise MissingShardError(f"{self.root} was compacted or written again since this reader opened it, "
-                                        f"and its old tail {mine.tail.name} is gone; open the dataset again") from None
-        for e in current.shards:
-            if e.id == tid:
-                return self._map_shard(e)
-        raise CorruptDatasetError(f"{self.root}: tail shard {self.gen.manifest.tail.name} is missing; run `kvdata reindex`")
+    # ------------------------------------------------------------ tail and metadata (tail_reads, record_metas)
 
-    # ------------------------------------------------------------ metadata without payloads
+    def tail_values(self, slots: list[int]) -> list[bytes]:
+        """Copies of tail records (TailReads.values)."""
+        return self._tail.values(self.gen, slots)
 
-    def _remote_metas(self, shard: np.ndarray, slot: np.ndarray, rec: np.ndarray, out: list[Any]) -> None:
-        """Headers of sealed records in shards the source does not want whole (a key lookup in
-        random mode), read record by record instead of staging the shard; fills `out`."""
-        source = self.source
-        if source is None:
-            return
-        sealed = rec >= 0
-        shards = self.gen.shards
-        cold = [s for s in np.unique(shard[sealed]).tolist()  # per shard, not per sample
-                if self._handles[s] is None and not source.wants_whole(shards[s])]
-        if not cold:
-            return
-        groups = [np.nonzero(sealed & (shard == s))[0].tolist() for s in cold]
-        got = source.read_records([(shards[s], [int(slot[j]) for j in js]) for s, js in zip(cold, groups)])
-        for s, js, values in zip(cold, groups, got):
-            entry = shards[s]
-            if values is None:
-                continue
-            if len(values) != len(js):
-                raise CorruptDatasetError(f"shard {entry.name}: {len(values)} records came back for {len(js)} slots")
-            for j, v in zip(js, values):
-                try:
-                    hd = fmt.RecordHeader(v)
-                    out[j] = (hd.kind, hd.meta(v))
-                except CorruptDatasetError as e:
-                    raise CorruptDatasetError(f"shard {entry.name} from {source.home.url}, slot {int(slot[j])}: {e}") from None
+    def mapped(self, shard_id: int) -> SealedShard | None:
+        """The shard's mapped handle if it is mapped now."""
+        return self._handles[shard_id]
 
     def metas(self, positions: Any) -> list[tuple[int, dict[str, Any]]]:
         """(kind, meta) of the records at sample positions: keys and labels without payloads."""
-        pos = self.positions(positions)
-        index = self.gen.index
-        shard, slot, rec = index.resolve(pos)
-        out: list[Any] = [None] * len(pos)
-        tail_at: list[int] = []
-        offs = np.zeros(len(pos), np.uint64)
-        offs[rec >= 0] = index.records["offset"][rec[rec >= 0]]
-        self._remote_metas(shard, slot, rec, out)
-        for j, (s, r, off) in enumerate(zip(shard.tolist(), rec.tolist(), offs.tolist())):
-            if r < 0:
-                tail_at.append(j)
-                continue
-            if out[j] is not None:  # read record by record from the home
-                continue
-            h = self._handles[s] or self._handle(s)
-            if off == int(fmt.UNKNOWN_OFFSET):
-                sl = int(slot[j])
-                v = _lmdb_value(h, sl)
-                try:
-                    hd = fmt.RecordHeader(v)
-                    out[j] = (hd.kind, hd.meta(v))
-                except CorruptDatasetError as e:
-                    raise CorruptDatasetError(f"{h.path}, slot {sl}: {e}") from None
-                continue
-            if off + fmt.PREFIX_SIZE > len(h.mv):
-                raise CorruptDatasetError(f"index file {self.root / names.INDEX_DIR / str(self.gen.manifest.index.records)}: "
-                                          f"the row of sample {int(pos[j])} points past the end of shard {h.path}; "
-                                          f"run `kvdata reindex {self.root}`")
-            try:
-                buf = h.mv[off:off + fmt.MAX_HEAD + 1]
-                hd = fmt.RecordHeader(buf)
-                out[j] = (hd.kind, hd.meta(buf))
-            except CorruptDatasetError as e:
-                raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
-        if tail_at:
-            for j, v in zip(tail_at, self.tail_values([int(slot[j]) for j in tail_at])):
-                try:
-                    hd = fmt.RecordHeader(v)
-                    out[j] = (hd.kind, hd.meta(v))
-                except CorruptDatasetError as e:
-                    raise CorruptDatasetError(f"{self.gen.tail_path}, slot {int(slot[j])}: {e}") from None
-        return out
+        return record_metas.metas(self, positions)
 
     def find(self, key: str | bytes) -> int | None:
         """Sample index of `key`, or None."""
-        kb = fmt.check_key(key)
-        skey = kb.decode("utf-8")
-        index = self.gen.index
-        for p in index.candidates(fmt.key_hash(kb)):
-            if p < index.count and self._key_at(p) == skey:
-                return p
-        return None
-
-    def _key_at(self, p: int) -> Any:
-        """The key stored in the record of sample p: read from the header of a sealed record in
-        place with scalar work (a store.get(key) costs about one store[i]); else through metas."""
-        index = self.gen.index
-        if self.source is None and self.max_open is None:
-            shard, slot, _label = index.samples[p].item()
-            if shard < index.n_sealed:
-                rec = int(index.base[shard]) + slot
-                if rec < index.base[shard + 1]:
-                    off, size, hk = index.records[rec].item()
-                    head = hk & _HEAD_MASK
-                    if head >= fmt.PREFIX_SIZE and off + head + size <= index.shard_bytes[shard]:
-                        h = self._handles[shard] or self._handle(shard)
-                        try:
-                            buf = h.mv[off:off + head]
-                            return fmt.RecordHeader(buf).meta(buf).get("k")
-                        except CorruptDatasetError as e:
-                            raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
-        return self.metas([p])[0][1].get("k")
+        return record_metas.find(self, key)
 
     def contains(self, key: object) -> bool:
         try:
@@ -584,17 +424,3 @@ class Reader:
 
 
 
-def _lmdb_error(path: Path, e: Exception) -> CorruptDatasetError:
-    reason = (str(e).splitlines() or [""])[0].removeprefix(f"{path}: ") or type(e).__name__
-    return CorruptDatasetError(f"{path}: LMDB cannot read it ({reason}); restore it from a copy and run `kvdata verify`")
-
-
-def _lmdb_value(h: SealedShard, slot: int) -> bytes:
-    """A sealed record read through LMDB (shards whose offsets are unknown); LMDB errors become
-    CorruptDatasetError."""
-    try:
-        return h.lmdb_value(slot)
-    except lmdb.Error as e:
-        raise _lmdb_error(h.path, e) from None
-    except FileNotFoundError:  # removed since it was mapped (LMDB opens it again by name)
-        raise MissingShardError(f"shard {h.path} is gone since it was mapped; open the dataset again") from None

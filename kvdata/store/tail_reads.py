@@ -1,0 +1,134 @@
+"""Records of a generation's open tail, read through LMDB -- or, once the writer has sealed that
+tail since the reader loaded the generation, from the shard it became.
+
+The tail is the one part of a dataset a writer still changes, so its reads are the only ones
+that race a writer: a tail sealed (and its file removed) between a reader's load and its read
+is found again under its sealed name -- in the same incarnation only: after a "w" rewrite or a
+compaction a shard with that id holds other records, and the reader is told to open the
+dataset again. Sealed records whose offsets are unknown are read through LMDB here too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from .. import format as fmt
+from ..errors import CorruptDatasetError, KVDataError, MissingShardError
+from ..format import ShardEntry, names
+from .generation import Generation, read_manifest
+from .shards import ENVS, SealedShard, check_lmdb_file, open_tail_for_read
+
+
+class TailReads:
+    """The LMDB env of one reader's current tail (opened on first use) and the reads through it.
+
+    `map_shard` maps a sealed shard as the reader does (in place, or a tier's copy)."""
+
+    def __init__(self, root: Path, map_shard: Callable[[ShardEntry], SealedShard]) -> None:
+        self.root = root
+        self._map_shard = map_shard
+        self._env: Any = None
+
+    def release(self) -> None:
+        """Let the env go (another generation's tail is read from now on, or the reader closes)."""
+        if self._env is not None:
+            ENVS.release(self._env)
+        self._env = None
+
+    def forget(self) -> None:
+        """After fork: the parent's LMDB handle must not be used or closed in the child."""
+        self._env = None
+
+    def values(self, gen: Generation, slots: list[int]) -> list[bytes]:
+        """Copies of the tail records at `slots` (LMDB buffers die with their transaction)."""
+        env = self._open(gen)
+        if env is None:  # the tail was sealed since we loaded: same slots, now a sealed file
+            return self._former_values(gen, slots)
+        out = []
+        try:
+            with ENVS.read(env) as txn:
+                for s in slots:
+                    v = txn.get(fmt.slot_key(s))
+                    if v is None:
+                        break
+                    out.append(v)
+        except lmdb.Error as e:
+            raise lmdb_error(gen.tail_path, e) from None
+        if len(out) < len(slots):
+            if self._moved_on(gen):  # sealed or rewritten while we read: the sealed file, or a clear error
+                return self._former_values(gen, slots)
+            raise CorruptDatasetError(f"{self.root}: tail record {slots[len(out)]} is missing; run `kvdata verify`")
+        return out
+
+    def _moved_on(self, gen: Generation) -> bool:
+        try:
+            current = read_manifest(self.root)
+        except KVDataError:
+            return False
+        mine = gen.manifest
+        return current.incarnation != mine.incarnation or current.tail.id != mine.tail.id
+
+    def _former_values(self, gen: Generation, slots: list[int]) -> list[bytes]:
+        """Our tail's records from the shard it was sealed into (same incarnation only)."""
+        h = self._sealed_former_tail(gen)
+        try:
+            return [lmdb_value(h, s) for s in slots]
+        except CorruptDatasetError:
+            if read_manifest(self.root).incarnation != gen.manifest.incarnation:
+                raise MissingShardError(f"{self.root} was written again (mode \"w\") since this reader opened it; "
+                                        "open the dataset again") from None
+            raise
+
+    def _open(self, gen: Generation) -> Any:
+        if self._env is None:
+            path = gen.tail_path
+            try:
+                check_lmdb_file(path)
+                self._env = open_tail_for_read(path, gen.manifest.shard_size)
+            except FileNotFoundError:
+                return None
+            except lmdb.Error as e:
+                raise lmdb_error(path, e) from None
+        return self._env
+
+    def _sealed_former_tail(self, gen: Generation) -> SealedShard:
+        """The shard our tail was sealed into -- only in the same incarnation: after a "w"
+        rewrite a shard with that id holds the new dataset's records, never ours."""
+        mine = gen.manifest
+        tid = mine.tail.id
+        current = read_manifest(self.root)
+        if current.incarnation != mine.incarnation:
+            # compacted or written again since: a pinned reader's old files stay (store.pins),
+            # and a name is never reused, so the file of that name holds our tail's records
+            path = gen.shards_dir / names.shard_name(tid, mine.incarnation)
+            try:
+                size = os.stat(path, follow_symlinks=False).st_size
+                return SealedShard(path, size)
+            except (OSError, KVDataError):
+                raise MissingShardError(f"{self.root} was compacted or written again since this reader opened it, "
+                                        f"and its old tail {mine.tail.name} is gone; open the dataset again") from None
+        for e in current.shards:
+            if e.id == tid:
+                return self._map_shard(e)
+        raise CorruptDatasetError(f"{self.root}: tail shard {mine.tail.name} is missing; run `kvdata reindex`")
+
+
+def lmdb_error(path: Path, e: Exception) -> CorruptDatasetError:
+    reason = (str(e).splitlines() or [""])[0].removeprefix(f"{path}: ") or type(e).__name__
+    return CorruptDatasetError(f"{path}: LMDB cannot read it ({reason}); restore it from a copy and run `kvdata verify`")
+
+
+def lmdb_value(h: SealedShard, slot: int) -> bytes:
+    """A sealed record read through LMDB (shards whose offsets are unknown); LMDB errors become
+    CorruptDatasetError."""
+    try:
+        return h.lmdb_value(slot)
+    except lmdb.Error as e:
+        raise lmdb_error(h.path, e) from None
+    except FileNotFoundError:  # removed since it was mapped (LMDB opens it again by name)
+        raise MissingShardError(f"shard {h.path} is gone since it was mapped; open the dataset again") from None
