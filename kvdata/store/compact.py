@@ -5,7 +5,9 @@ appends in mode "a" leave many small shards. Compaction makes a new generation w
 lie in sample order (store.compact_plan says which shards are kept and how the rest is packed),
 copying record values as they are (raw LMDB values, never decoded; each one's crc32 checked on
 the way) and hard-linking the shards it keeps. `store[i]` and `store[key]` give the same values
-before and after, for every i and key, and so does `kvdata reindex` of the result.
+before and after, for every i and key, and so does `kvdata reindex` of the result. The checks
+made before anything is written are store.compact_checks; reading and checking the values that
+are copied, store.compact_values.
 
 **Names.** The new generation is a new incarnation K (= its generation number), so every file it
 names has a name that never held other bytes: kept shards are hard links under their K names,
@@ -28,26 +30,26 @@ cannot account for.
 from __future__ import annotations
 
 import os
-import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
 from .. import format as fmt
-from .._util.checksum import crc32
 from .._util.fsutil import atomic_write, fsync_dir, tree_bytes, unlink_quiet
 from .._util.progress import progress as make_progress
-from ..errors import CorruptDatasetError, KVDataError, MissingShardError, ReadOnlyError
+from ..errors import CorruptDatasetError, KVDataError
 from ..format import IndexFiles, Manifest, ShardEntry, TailEntry, ZstCopy, names
 from ..format.codec import file_sha256
 from ..format.manifest import ItemAccess
 from . import index as ix
+from .compact_checks import check_layout, checked_generation, writer_lock
 from .compact_plan import Piece, Plan, plan
+from .compact_values import CheckedValues
 from .generation import Generation, load_generation, read_manifest
 from .linking import link_or_copy
 from .lock import WriterLock
@@ -57,7 +59,6 @@ from .recovery import LeftBehind, tidy
 from .retire import Journal, Swept, old_files, retire, rollback, write_journal
 from .sealing import write_cold_copy
 from .shard_writer import ShardBuilder
-from .shards import SealedShard, check_lmdb_file
 
 __all__ = ["compact", "CompactSummary"]
 
@@ -102,13 +103,13 @@ def compact(path: str | os.PathLike[str], *, dry_run: bool = False, progress: bo
     t0 = time.monotonic()
     root = Path(path)
     read_manifest(root)  # not a dataset: a clear error before anything else
-    _check_layout(root, writing=not dry_run)
+    check_layout(root, writing=not dry_run)
     if dry_run:  # reads only: no lock, no recovery
         before = disk_bytes(root)
-        return _Job.running(root, _recovered(root), Swept(), progress, lambda job: job.run(None, t0, before))
-    lock = _lock(root)
+        return _Job.running(root, checked_generation(root), Swept(), progress, lambda job: job.run(None, t0, before))
+    lock = writer_lock(root)
     try:
-        gen = _recovered(root)
+        gen = checked_generation(root)
         before = disk_bytes(root)  # before recovery: what it removes (a replaced generation's files) counts
         swept = tidy(root, gen.manifest, LeftBehind(frozenset(), None))
         return _Job.running(root, load_generation(root), swept, progress, lambda job: job.run(lock, t0, before))
@@ -122,67 +123,6 @@ def disk_bytes(root: Path) -> int:
     return tree_bytes(root, skip=frozenset({names.LOCK}))
 
 
-# ---------------------------------------------------------------- checks (nothing written yet)
-
-
-def _check_layout(root: Path, writing: bool) -> None:
-    """The dataset's directories are real directories (that this user may write, if `writing`),
-    and the lock file and the reader registry are not planted links."""
-    for sub in (names.SHARDS_DIR, names.INDEX_DIR):
-        try:
-            st = os.lstat(root / sub)
-        except FileNotFoundError:
-            raise CorruptDatasetError(f"{root / sub} is missing; run `kvdata reindex {root}`") from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise CorruptDatasetError(f"{root / sub} is not a directory of the dataset (a symbolic link?); put the "
-                                      f"dataset's files there and run `kvdata verify {root}`; nothing was changed")
-    for d in (root, root / names.SHARDS_DIR, root / names.INDEX_DIR) if writing else ():
-        if not os.access(d, os.W_OK):
-            raise ReadOnlyError(f"{d} is not writable by this user; compact the dataset as its owner, or a "
-                                "writable copy of it; nothing was changed")
-    m = read_manifest(root)
-    for name in (names.LOCK, names.reader_pin_name(m.incarnation)):
-        p = root / name
-        if os.path.lexists(p) and not stat.S_ISREG(os.lstat(p).st_mode):
-            raise CorruptDatasetError(f"{p} is not a regular file (a symbolic link?) and kvdata did not make it; "
-                                      "remove it, then compact again; nothing was changed")
-
-
-def _lock(root: Path) -> WriterLock:
-    try:
-        return WriterLock(root)
-    except OSError as e:
-        raise ReadOnlyError(f"{root / names.LOCK}: cannot take the writer lock ({e.strerror or e}); compact the "
-                            "dataset where this user may write it; nothing was changed") from None
-
-
-def _recovered(root: Path) -> Generation:
-    """The committed generation, with every file it names checked as a writer's recovery
-    checks them (and more: regular files, of their recorded size), before anything is touched."""
-    gen = load_generation(root)
-    m = gen.manifest
-    for e in m.shards:
-        for name, size in [(e.name, e.bytes)] + ([(e.zst.name, e.zst.bytes)] if e.zst else []):
-            p = gen.shards_dir / name
-            try:
-                st = os.lstat(p)
-            except FileNotFoundError:
-                raise MissingShardError(f"shard {p} is missing; restore it, then compact; nothing was changed") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptDatasetError(f"{p} is not a regular file (a symbolic link?); restore the shard there "
-                                          f"and run `kvdata verify {root}`; nothing was changed")
-            if st.st_size != size:
-                raise CorruptDatasetError(f"{p} has {st.st_size} bytes, the manifest says {size}; restore it and run "
-                                          f"`kvdata verify {root}`; nothing was changed")
-    if m.tail.records:
-        try:
-            check_lmdb_file(gen.tail_path)
-        except FileNotFoundError:
-            raise MissingShardError(f"tail shard {gen.tail_path} is missing; restore it or run "
-                                    f"`kvdata reindex {root}`; nothing was changed") from None
-    return gen
-
-
 # ---------------------------------------------------------------- the work
 
 
@@ -194,8 +134,8 @@ class _Job:
         self.swept = swept
         self.progress = progress
         self.reader = Reader(gen)
-        self._maps: dict[int, SealedShard] = {}
         self.tail = self._tail_values()
+        self.values = CheckedValues(gen, self.tail, root)
         self.plan = self._plan()
 
     @classmethod
@@ -208,7 +148,7 @@ class _Job:
             job.close()
 
     def close(self) -> None:
-        self._maps.clear()
+        self.values.close()
         self.reader.close()
 
     # ------------------------------------------------------------ planning
@@ -384,7 +324,7 @@ class _Job:
         builder = ShardBuilder(dest, piece.bytes_estimate)
         copied = 0
         try:
-            for values, head_kind in self._values(piece.positions):
+            for values, head_kind in self.values.chunks(piece.positions):
                 builder.add(values, head_kind)
                 n = sum(len(v) for v in values)
                 copied += n
@@ -394,63 +334,6 @@ class _Job:
             builder.abort()
             raise
         return rows, size, copied
-
-    def _values(self, positions: np.ndarray, chunk: int = 4096) -> Iterator[tuple[list[Any], np.ndarray]]:
-        """(raw record values, their head_kind) of sample positions, in chunks; each record is
-        checked first (magic, kind, head, crc32) so a damaged one is never copied into a shard
-        with a fresh checksum."""
-        idx = self.gen.index
-        for start in range(0, len(positions), chunk):
-            pos = positions[start:start + chunk]
-            shard, slot, rec = idx.resolve(pos)
-            out: list[Any] = [None] * len(pos)
-            head_kind = np.zeros(len(pos), dtype=np.uint32)
-            for j in np.flatnonzero(rec < 0).tolist():  # the tail's (values read at start)
-                sl = int(slot[j])
-                out[j], head_kind[j] = self.tail[sl], _checked(self.tail[sl], None, f"{self.gen.tail_path}, slot {sl}",
-                                                               self.root)
-            sealed_at = np.flatnonzero(rec >= 0)
-            for s in np.unique(shard[sealed_at]).tolist():
-                js = sealed_at[shard[sealed_at] == s]
-                self._sealed_values(s, js, slot[js], idx.records[rec[js]], out, head_kind)
-            yield out, head_kind
-
-    def _sealed_values(self, s: int, js: np.ndarray, slots: np.ndarray, rows: np.ndarray, out: list[Any],
-                       head_kind: np.ndarray) -> None:
-        """Values of one sealed shard's records (at `js` of the chunk), sliced from its map, the
-        headers checked against the index rows all at once, the crc32s one by one."""
-        h = self._map(s)
-        hk = rows["head_kind"]
-        head_kind[js] = hk
-        known = rows["offset"] != fmt.UNKNOWN_OFFSET
-        for j, sl, k in zip(js[~known].tolist(), slots[~known].tolist(), hk[~known].tolist()):
-            out[j] = h.lmdb_value(sl)  # offsets unknown (no /proc at seal time): through LMDB
-            _checked(out[j], k & fmt.MAX_HEAD, f"shard {h.path}, slot {sl}", self.root)
-        if not known.any():
-            return
-        js, slots, rows, hk = js[known], slots[known], rows[known], hk[known]
-        off = rows["offset"].astype(np.int64)
-        head = (hk & fmt.MAX_HEAD).astype(np.int64)
-        end = off + head + rows["size"]
-        bad = (end > len(h.mv)) | (head < fmt.PREFIX_SIZE)
-        if not bad.any():
-            pre = h.u8[off[:, None] + np.arange(fmt.PREFIX_SIZE)].view(_PREFIX_DTYPE)[:, 0]
-            bad = (pre["magic"] != fmt.MAGIC) | (pre["kind"] != (hk >> fmt.KIND_SHIFT)) \
-                | ((pre["kind"] != fmt.KIND_RAW) & (pre["kind"] != fmt.KIND_FIELDS)) | (pre["head"] != head)
-        if bad.any():
-            _damaged(f"shard {h.path}, slot {int(slots[np.flatnonzero(bad)[0]])}", self.root)
-        mv = h.mv
-        for j, sl, a, b, c in zip(js.tolist(), slots.tolist(), off.tolist(), end.tolist(), pre["crc"].tolist()):
-            if crc32(mv[a + fmt.PREFIX_SIZE:b], crc32(mv[a:a + fmt.PREFIX_SIZE - 4])) != c:
-                _damaged(f"shard {h.path}, slot {sl}", self.root)
-            out[j] = mv[a:b]
-
-    def _map(self, shard_id: int) -> SealedShard:
-        h = self._maps.get(shard_id)
-        if h is None:
-            e = self.m.shards[shard_id]
-            h = self._maps[shard_id] = SealedShard(self.gen.shard_path(e), e.bytes)
-        return h
 
     def _write_index(self, k: int, entries: list[ShardEntry], records: list[np.ndarray]) -> Manifest:
         """Generation K's samples and records files (fsync'ed) and its manifest, not yet committed."""
@@ -475,27 +358,6 @@ class _Job:
                          tail=TailEntry(n, names.tail_name(n, k), 0),
                          index=IndexFiles(samples_name, records_name, int(len(rows)), m.index.keys),
                          index_sha256=None)
-
-
-_PREFIX_DTYPE = np.dtype([("magic", "u1"), ("kind", "u1"), ("version", "u1"), ("flags", "u1"), ("head", "<u4"),
-                          ("layout_len", "<u4"), ("meta_len", "<u4"), ("crc", "<u4")])  # = fmt.PREFIX
-
-
-def _checked(v: Any, head: int | None, where: str, root: Path) -> int:
-    """The head_kind of a record about to be copied, once it is known to be a whole, undamaged
-    sample record (with the index's head, if given)."""
-    mv = memoryview(v)
-    if mv.nbytes >= fmt.PREFIX_SIZE:
-        magic, kind, _ver, _flags, hd, _ll, _ml, _crc = fmt.PREFIX.unpack_from(mv, 0)
-        if magic == fmt.MAGIC and kind in (fmt.KIND_RAW, fmt.KIND_FIELDS) and fmt.PREFIX_SIZE <= hd <= mv.nbytes \
-                and (head is None or hd == head) and fmt.record_crc_ok(mv):
-            return int(hd | kind << fmt.KIND_SHIFT)
-    _damaged(where, root)
-
-
-def _damaged(where: str, root: Path) -> NoReturn:
-    raise CorruptDatasetError(f"{where}: the record is damaged (crc32 or header mismatch); nothing was changed; "
-                              f"run `kvdata verify {root}` and restore the shard")
 
 
 def _incarnation_now(root: Path) -> int | None:
