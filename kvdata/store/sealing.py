@@ -55,8 +55,8 @@ class Hasher:
 
 
 def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool = False,
-         incarnation: int = 0, *, hash_later: bool = False) -> tuple[ShardEntry, np.ndarray]:
-    """Seal the tail in place: return (manifest entry, record rows) of shard `shard_id`.
+         incarnation: int = 0, *, hash_later: bool = False) -> tuple[ShardEntry, np.ndarray, Hasher | None]:
+    """Seal the tail in place: return (manifest entry, record rows, hasher) of shard `shard_id`.
 
     The tail is append-only and already a complete LMDB file, so it is not copied: once its
     last transaction is synced, the file gets its sealed name as a second hard link (fsync'ed
@@ -66,8 +66,10 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
     Where the filesystem refuses hard links (NO_LINK_ERRNOS) the tail is copied compacted to
     `NNNNNN.mdb.tmp` instead and renamed once complete, as before issue 12.
     No zstd copy is made unless `compress` (cold copies are made when needed: `kvdata push`).
-    hash_later: the entry's sha256 is left empty (its bytes are the file's size); the caller
-    hashes the file (Hasher) before any manifest names the shard.
+    hash_later: the entry's sha256 is left empty (its bytes are the file's size) and the file
+    is hashed on a thread (the Hasher returned; else None), started as soon as the file has its
+    name -- before the record rows are read, so the two overlap; the caller waits for it before
+    any manifest names the shard.
     """
     dest = shards_dir / names.shard_name(shard_id, incarnation)
     tail = shards_dir / names.tail_name(shard_id, incarnation)
@@ -82,9 +84,12 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
         if e.errno not in NO_LINK_ERRNOS:
             raise
         src = tmp
+    hasher: Hasher | None = None
     try:
         if src == dest:
             fsync_dir(shards_dir)
+            if hash_later:
+                hasher = Hasher(dest)
             records = scan_env(tail_env, dest)
         else:
             unlink_quiet(tmp)
@@ -99,13 +104,17 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
             fsync_dir(shards_dir)
         elif compress:
             fsync_dir(shards_dir)
+        if hash_later and hasher is None:
+            hasher = Hasher(dest)
     except BaseException:
         if src == dest:  # our link (or our copy, renamed): nothing else ever had the name
             unlink_quiet(dest)
         unlink_quiet(tmp)
         unlink_quiet(ztmp)
+        if hasher is not None:
+            hasher.wait()  # its result is never read; nothing of ours reads the file after this
         raise
-    return ShardEntry(shard_id, dest.name, int(len(records)), size, sha, zst), records
+    return ShardEntry(shard_id, dest.name, int(len(records)), size, sha, zst), records, hasher
 
 
 def write_cold_copy(src: Path, dest: Path, records: np.ndarray) -> ZstCopy:

@@ -54,7 +54,7 @@ from .pending import Pending
 from .reader import Reader
 from .recovery import LeftBehind, holds_data, settle, tidy
 from .retire import Journal, old_files, write_journal
-from .sealing import Hasher, seal
+from .sealing import seal
 from .shards import ENVS, open_tail_for_write, release_dead_pages, truncate_tail
 
 LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
@@ -441,8 +441,8 @@ class Writer:
             self.env.sync(True)
             self._written |= {names.shard_name(self.tail_id, inc), names.zst_name(names.shard_name(self.tail_id, inc)),
                               next_tail, names.lmdb_lock_name(next_tail)}
-            entry, records = seal(self.env, self.shards_dir, self.tail_id, self.compress, inc, hash_later=True)
-            hasher = Hasher(self.shards_dir / entry.name)  # hashed while the next tail fills
+            entry, records, hasher = seal(self.env, self.shards_dir, self.tail_id, self.compress, inc, hash_later=True)
+            assert hasher is not None  # hashed while the rows are read and the next tail fills
             env = open_tail_for_write(self.shards_dir / next_tail, self.shard_size)
         except (OSError, lmdb.Error, CorruptDatasetError) as e:
             self._fail()
