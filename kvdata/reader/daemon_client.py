@@ -23,8 +23,9 @@ from ..errors import DaemonError, DaemonUnavailable, KVDataError
 from ..format import ShardEntry, names
 from ..protocol import MAX_FDS, Client, close_fds, flag_set
 from ..store.shards import OpenedCopy
-from ..tiers.engine import KEEP_TTL, Engine
+from ..tiers.engine import Engine
 from ..tiers.homes import Home, is_url
+from ..tiers.keep_set import KEEP_TTL
 from ..tiers.mirror import mirror_from_fds
 
 PROGRESS_INTERVAL = 0.05  # seconds between progress reports of one reader to kvdatad

@@ -30,7 +30,6 @@ whole anyway gets a private copy in memory that no tier keeps).
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import os
 import threading
@@ -38,11 +37,9 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from .._util.fsutil import fsync_dir
 from .._util.sizes import format_size
 from ..config import Config
 from ..errors import ConfigError, KVDataError, NoRoomError, StagingAbortedError, TierFailedError
@@ -50,45 +47,20 @@ from ..format import ShardEntry
 from ..store.shards import OpenedCopy
 from . import policy
 from .claims import ORDER_PREFIX_SHARDS, ReadModes
+from .engine_state import Counters, Known
 from .fetch import Fetcher
 from .homes import Home
+from .keep_set import CONGESTED_SECONDS, KeepSet
 from .orders import SharedOrders
-from .tier import PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
-
-NEED_WAIT = 3.0  # how long a shard a reader needs now waits for room that is about to free up (copies in flight)
-ROOM_POLL = 0.05
-KEEP_READING = 8  # shards past a reader's position it may be reading by record (a window of ShardShuffleSampler)
-KEEP_TTL = 0.25  # seconds the set of shards worth a whole copy (policy.keep_for_next_pass) is trusted
-CONGESTED_SECONDS = 10.0  # after no tier had room for a needed shard, unstaged shards are read by record this long
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+from .planner import Planner
+from .tier import PIN_SECONDS, Tier
+from .tier_staging import TierStaging
 
 
-@dataclass
-class Counters:
-    hits: int = 0
-    misses: int = 0
-    home_reads: int = 0
-    shards_staged: int = 0
-    bytes_staged: int = 0
-    bytes_from_home: int = 0
-    evictions: int = 0
-    private_copies: int = 0  # shards no tier had room for, fetched into a reader's own memory
-    random_misses: int = 0   # shards of random-order datasets outside their resident sets, served unkept
-    stall_seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)  # the last 20 messages
-    error_count: int = 0  # every error, for the daemon's kvdata_errors_total
-
-
-@dataclass
-class _Known:
-    home: Home
-    entry: ShardEntry
-
-
-
-
-class Engine:
-    """Stages shards into tiers on demand and ahead of announced orders."""
+class Engine(Planner, TierStaging, KeepSet):
+    """Stages shards into tiers on demand and ahead of announced orders. Its parts, each a
+    mixin over engine_state.EngineState: keep_set.KeepSet (whole copy or record reads),
+    tier_staging.TierStaging (one copy into one tier), planner.Planner (the planner thread)."""
 
     def __init__(self, config: Config, *, workers: int = 3, part_size: int = 8 << 20, parts_in_flight: int = 8,
                  prefetch: bool = True, lookahead: int = 16, lookahead_share: float = policy.LOOKAHEAD_SHARE,
@@ -118,7 +90,7 @@ class Engine:
         self._inflight: dict[tuple[str, str], Future[Path]] = {}
         self._need_now: weakref.WeakSet[Future[Path]] = weakref.WeakSet()  # jobs that waited for room
         self._demands: dict[str, policy.Demand] = {}
-        self._known: dict[str, _Known] = {}
+        self._known: dict[str, Known] = {}
         self.stats = Counters()
         self._stats_lock = threading.Lock()
         self._pinned: dict[str, float] = {}  # sha -> until when: just staged for a waiting reader
@@ -160,7 +132,7 @@ class Engine:
         staging it now if needed. The copy is a path, or (no tier had room) an open descriptor
         of a private sealed copy in memory, which the caller then owns."""
         sha = entry.sha256
-        self._known.setdefault(sha, _Known(home, entry))
+        self._known.setdefault(sha, Known(home, entry))
         self._name(home, entry)
         tiers = self._tiers_for(entry)
         # a random-order dataset's shard outside its resident set is not served from a tier even
@@ -249,89 +221,6 @@ class Engine:
         """Learn a dataset's shard list; its key (kvdata.tiers.claims.ReadModes)."""
         return self.modes.open_dataset(entries, label)
 
-    def wants_whole(self, home: Home, entry: ShardEntry) -> bool:
-        """Whether a reader should read this shard through a whole copy: it is read in place,
-        its dataset is read shard-aware (an announced order), or it is in its random-order
-        dataset's resident set. False: read its samples record by record (a copy that a
-        shard-aware phase left in a tier is not used: mapped, it could not be evicted)."""
-        if entry.sha256 not in self._known:  # (a worker may not have seen it yet; no object per call)
-            self._known[entry.sha256] = _Known(home, entry)
-        self._name(home, entry)
-        local = home.local_path(f"shards/{entry.name}")
-        if local is not None and not self.config.stage_local and local.exists():
-            return True
-        tiers = self._tiers_for(entry)
-        if tiers and local is None:
-            staged = any(t.has(entry.sha256) for t in tiers)
-            if self.congested():
-                return staged  # no room to keep it: read its records
-            if not staged and self.bypassed(entry.sha256):
-                return False  # read once this pass, not worth a place in the tiers: read its records
-        return bool(tiers)
-
-    def bypassed(self, sha: str) -> bool:
-        """Whether an announced order reads this shard but its whole copy is not worth a place
-        in the tiers (policy.keep_for_next_pass: the data is larger than the tiers, and the next
-        pass does not read it early enough): its samples are then read record by record."""
-        if not self._bypass(sha):
-            return False
-        known = self._known.get(sha)
-        return known is not None and known.home.record_reads  # a local home's is read in place (locate)
-
-    def _bypass(self, sha: str) -> bool:
-        """An announced order reads this shard, but its whole copy is not worth a place in the
-        tiers: it is read by record (bypassed), in place (a local home) or into a private copy."""
-        keep, announced = self.keep_set()
-        return keep is not None and sha in announced and sha not in keep
-
-    def keep_set(self) -> tuple[set[str] | None, frozenset[str]]:
-        """(the shards worth a whole copy or None for all of them, every shard announced) over
-        the orders of this engine's readers and those other processes published in the tiers
-        (policy.keep_for_next_pass), recomputed at most every KEEP_TTL seconds."""
-        now = time.monotonic()
-        until, keep, announced = self._keep_cache
-        if now < until:
-            return keep, announced
-        with self._lock:
-            demands = list(self._demands.values())
-            sizes = {sha: k.entry.bytes for sha, k in self._known.items()}
-        tiers = [t for t in self.tiers if t.healthy()]
-        for t in tiers:  # every publisher publishes in every tier it can: the first that answers will do
-            others = self._orders.others(t)
-            if others:
-                demands += others
-                break
-        keep, announced = None, frozenset()
-        if demands:
-            announced = frozenset(s for d in demands for s in d.sequence)
-            shard = sum(sizes.values()) // len(sizes) if sizes else 0
-            kept = 0
-            resident: dict[str, int] = {}
-            held: set[str] = set()
-            for t in tiers:  # random-order datasets' resident sets are not ours to plan with
-                here = t.resident()
-                protected = self.modes.protected(t, here)
-                kept += sum(here.get(s, 0) for s in protected)
-                here = {s: n for s, n in here.items() if s not in protected}
-                resident.update(here)
-                held |= t.held([s for s in here if s in announced])  # copies readers map: their room is not free yet
-            room = sum(t.room() for t in tiers) - kept
-            basis = hash(frozenset(d.sequence for d in demands))  # the same orders: readers went by the last set
-            admitted = self._admitted[1] if self._admitted[0] == basis else None
-            keep = policy.keep_for_next_pass(demands, {**resident, **sizes}, room, shard, resident=resident, held=held,
-                                             reading=KEEP_READING, admitted=admitted)
-            self._admitted = (basis, keep)
-        self._keep_cache = (now + KEEP_TTL, keep, announced)
-        return keep, announced
-
-    def congested(self) -> bool:
-        """Whether a shard a reader needed found no room in any tier within CONGESTED_SECONDS:
-        shards not staged are then better read record by record than fetched whole only to be
-        thrown away (kvdatad tells its clients, see daemon/state.py). Not while the orders
-        announced are larger than the tiers: only the keep set is read whole then, and reading
-        it by record would lose it for the next pass (keep_set)."""
-        return time.monotonic() < self._congested_until and self.keep_set()[0] is None
-
     def staged(self, shas: Sequence[str]) -> list[bool]:
         """Which of these shards have a copy in some healthy tier (one listing per tier)."""
         have: set[str] = set()
@@ -340,46 +229,10 @@ class Engine:
                 have.update(t.resident())
         return [sha in have for sha in shas]
 
-    def _name(self, home: Home, entry: ShardEntry) -> None:
-        self.modes.name(str(getattr(home, "url", "") or ""), entry.sha256)
-
-    def _fetched(self, entry: ShardEntry) -> None:
-        self.modes.fetched(entry)
-
-    def _tiers_for(self, entry: ShardEntry) -> list[Tier]:
-        return self.modes.tiers_for(entry.sha256)
-
-    def _private_copy(self, home: Home, entry: ShardEntry) -> OpenedCopy:
-        """The shard fetched and verified into memory of this process (a memfd, sealed against
-        writes, so it can be handed to anyone): no tier's budget is exceeded for it."""
-        fd = os.memfd_create(f"kvdata-{entry.sha256[:16]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            with os.fdopen(os.dup(fd), "wb") as f:
-                self._copy_verified(home, entry, None, f)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.count("private_copies", 1)
-        self._fetched(entry)
-        return OpenedCopy(fd, f"{home.where(f'shards/{entry.name}')} (a private copy in memory: no tier had room)")
-
-    def count(self, name: str, amount: float) -> None:
-        """Counters are bumped from several staging threads: `+=` on them is not atomic."""
-        with self._stats_lock:
-            setattr(self.stats, name, getattr(self.stats, name) + amount)
-
     def unpin(self, sha: str) -> None:
         """The reader has mapped (and reader-locked) the copy: the lock protects it now."""
         with self._lock:
             self._pinned.pop(sha, None)
-
-    def _pinned_now(self) -> set[str]:
-        now = time.monotonic()
-        with self._lock:
-            for sha in [s for s, until in self._pinned.items() if until < now]:
-                del self._pinned[sha]
-            return set(self._pinned)
 
     # ------------------------------------------------------------ staging
 
@@ -389,7 +242,7 @@ class Engine:
         if target is None:
             raise ConfigError(f"no tier named {tier!r}; tiers: {', '.join(t.name for t in self.tiers)}")
         sha = entry.sha256
-        self._known.setdefault(sha, _Known(home, entry))
+        self._known.setdefault(sha, Known(home, entry))
         key = (target.name, sha)
         with self._lock:
             fut = self._inflight.get(key)
@@ -416,100 +269,6 @@ class Engine:
         elif exc is None and self.prefetch and not self._closed:
             self._replan()  # after a failure, wait for the next progress/announce to plan again
 
-    def _stage_job(self, home: Home, entry: ShardEntry, tier: Tier, need_now: bool) -> Path:
-        dest = tier.path(entry.sha256)
-        if tier.has(entry.sha256):
-            return dest
-        if not tier.healthy():
-            raise TierFailedError(f"tier {tier.name!r} is unusable: {tier.problem}")
-        try:
-            return self._stage_locked(home, entry, tier, need_now)
-        except OSError as e:
-            if e.errno in TIER_ERRNOS:
-                tier.fail(e.strerror or str(e))
-                raise TierFailedError(f"tier {tier.name!r} failed: {e.strerror or e}") from None
-            raise
-
-    def _stage_locked(self, home: Home, entry: ShardEntry, tier: Tier, need_now: bool) -> Path:
-        sha, size = entry.sha256, entry.bytes
-        dest = tier.path(sha)
-        with tier.staging_lock(sha):
-            if tier.has(sha):
-                return dest
-            if tier.occupied(sha):  # another user's file holds the name in a shared tier
-                raise NoRoomError(tier.name)
-            res = self._reserve(tier, sha, size, need_now)
-            try:
-                with res.file as f:
-                    self._copy_verified(home, entry, tier, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    try:  # renamed while its temp is locked (never taken for abandoned), under the
-                        with tier.budget_lock():  # budget lock (a count never misses it mid-rename)
-                            os.replace(res.path, dest)
-                    except PermissionError:
-                        if tier.occupied(sha):  # planted meanwhile
-                            raise NoRoomError(tier.name) from None
-                        raise
-                fsync_dir(tier.dir)
-            except BaseException:
-                res.discard()
-                raise
-        self.count("shards_staged", 1)
-        self.count("bytes_staged", size)
-        self._fetched(entry)
-        return dest
-
-    def _copy_verified(self, home: Home, entry: ShardEntry, target: Tier | None, out: BinaryIO) -> None:
-        self._fetcher.copy_verified(self.tiers, home, entry, target, out)
-
-    def _reserve(self, tier: Tier, sha: str, size: int, need_now: bool) -> Reservation:
-        """Room for `size` bytes, reserved under the tier's budget lock (every process of this
-        uid staging into the tier takes it): abandoned temp files go, copies are evicted in
-        policy order, and the temp file is created at full size before the lock is let go.
-        A need-now shard waits a little for room that is about to free up (copies another
-        process just staged, temp files in flight); NoRoomError if none comes."""
-        if size > tier.room():
-            raise NoRoomError(tier.name)
-        deadline = time.monotonic() + (NEED_WAIT if need_now else 0.0)
-        while True:
-            with self._lock:
-                demands = list(self._demands.values())
-            demands += self._orders.others(tier)
-            with tier.budget_lock():
-                tier.reclaim_abandoned()
-                fits, soon = self._evict_until_fits(tier, size, demands, self._pinned_now())
-                if fits:
-                    return tier.reserve(sha, size)
-            if not soon or time.monotonic() >= deadline or self._abort.is_set() or self._closed:
-                raise NoRoomError(tier.name)
-            time.sleep(ROOM_POLL)
-
-    def _evict_until_fits(self, tier: Tier, incoming: int, demands: list[policy.Demand],
-                          pinned: set[str]) -> tuple[bool, bool]:
-        """Evict in policy order until `incoming` more bytes fit the budget, counting copies
-        and temp files; (whether they fit, whether room may free up soon: a temp file of a
-        copy in flight).
-
-        Walks the whole candidate list: a victim a reader holds is skipped, the next one tried."""
-        resident = tier.resident()
-        temps = tier.temps()
-        used = sum(resident.values()) + sum(temps.values())
-        room = tier.room()  # (the budget less the datasets' indexes kept in this tier)
-        soon = bool(temps)
-        keep = pinned | self.modes.protected(tier, resident)  # random-order datasets' resident sets stay
-        if used + incoming > room:
-            # the shards kept for the next pass stay: the keep set is planned to fit beside the copies
-            # still in use, so whatever comes in (a keep shard, a prefetch) has room without them
-            keep |= (self.keep_set()[0] or set()) & resident.keys()
-        for victim in policy.eviction_order(resident, demands, in_use=keep):
-            if used + incoming <= room:
-                break
-            if tier.evict_one(victim) == "gone":
-                self.count("evictions", 1)
-                used -= resident[victim]
-        return used + incoming <= room, soon
-
     # ------------------------------------------------------------ order-aware prefetch
 
     def announce(self, reader: str, home: Home, entries: list[ShardEntry], position: int = 0,
@@ -519,7 +278,7 @@ class Engine:
         for e in entries:
             k = self._known.get(e.sha256)
             if k is None or not k.home.can_stage(e.sha256):  # keep a home that can supply it
-                self._known[e.sha256] = _Known(home, e)
+                self._known[e.sha256] = Known(home, e)
         with self._lock:
             self._demands[reader] = policy.Demand(tuple(e.sha256 for e in entries), position, next_start)
         self.modes.announced(reader, [e.sha256 for e in entries[:ORDER_PREFIX_SHARDS]])
@@ -544,63 +303,6 @@ class Engine:
         self._orders.withdraw(reader)
         self.modes.released(reader)
         self._keep_cache = (0.0, None, frozenset())
-
-    def _replan(self) -> None:
-        """Ask the planner thread to plan (coalesced): readers' threads never plan or scan."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._planner is None or self._planner_pid != os.getpid():
-                self._planner = threading.Thread(target=self._plan_loop, name="kvdata-planner", daemon=True)
-                self._planner_pid = os.getpid()
-                self._planner.start()
-        self._plan_event.set()
-
-    def _plan_loop(self) -> None:
-        while not self._closed:
-            self._plan_event.wait()
-            self._plan_event.clear()
-            if self._closed:
-                return
-            try:
-                self._replan_once()
-            except RuntimeError:  # the pools shut down meanwhile (engine or interpreter closing)
-                return
-            except Exception as e:  # keep planning; the reader path stages on demand anyway
-                self.stats.errors.append(f"planner: {e}")
-                del self.stats.errors[:-20]
-                self.count("error_count", 1)
-
-    def _replan_once(self) -> None:
-        with self._lock:
-            if self._closed or not self._demands:
-                return
-            demands = list(self._demands.values())
-            sizes = {sha: k.entry.bytes for sha, k in self._known.items()}
-            busy = len(self._inflight)
-        wanted = {sha for d in demands for sha in d.sequence}
-        shard_bytes = sum(sizes.get(sha, 0) for sha in wanted) / max(1, len(wanted))
-        pinned = self._pinned_now()
-        self.trim(demands, pinned)
-        for tier in reversed(self.tiers):  # fill slow tiers from home first, then promote
-            if not tier.healthy():
-                continue
-            resident = tier.resident()
-            kept = self.modes.protected(tier, resident)  # random-order resident sets: not ours to plan with
-            in_use = pinned | tier.held(list(resident)) | kept
-            room = tier.room() - sum(resident.get(s, 0) for s in kept)
-            depth = policy.prefetch_depth(self.lookahead, room, shard_bytes, self.lookahead_share)
-            plan = policy.plan_tier(tier.room(), sizes, resident, demands, in_use=in_use, lookahead=depth)
-            for sha in plan.stage:
-                if busy >= 2 * self._workers:
-                    return
-                if self._bypass(sha):  # read by record or in place when its turn comes, not staged
-                    continue
-                k = self._known.get(sha)
-                if k is None or (tier.name, sha) in self._inflight or not k.home.can_stage(sha):
-                    continue
-                self.stage(k.home, k.entry, tier.name)
-                busy += 1
 
     # ------------------------------------------------------------ maintenance
 

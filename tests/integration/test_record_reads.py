@@ -28,8 +28,8 @@ from kvdata.format import dump_manifest, frames, names, parse_manifest
 from kvdata.format.codec import compress_file, zst_copy
 from kvdata.reader.daemon_client import DaemonStager
 from kvdata.reader.open import open_dataset
-from kvdata.tiers.engine import KEEP_TTL
 from kvdata.tiers.homes import open_home
+from kvdata.tiers.keep_set import KEEP_TTL
 from kvdata.tiers.tier import Tier
 
 from helpers.daemon import Kit
