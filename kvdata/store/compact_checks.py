@@ -15,8 +15,8 @@ from pathlib import Path
 from ..errors import CorruptDatasetError, MissingShardError, ReadOnlyError
 from ..format import names
 from .generation import Generation, load_generation, read_manifest
+from .lmdb_checks import check_lmdb_file
 from .lock import WriterLock
-from .shards import check_lmdb_file
 
 
 def check_layout(root: Path, writing: bool) -> None:

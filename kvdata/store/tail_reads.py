@@ -21,7 +21,8 @@ from .. import format as fmt
 from ..errors import CorruptDatasetError, KVDataError, MissingShardError
 from ..format import ShardEntry, names
 from .generation import Generation, read_manifest
-from .shards import ENVS, SealedShard, check_lmdb_file, open_tail_for_read
+from .lmdb_checks import check_lmdb_file
+from .shards import ENVS, SealedShard, open_tail_for_read
 
 
 class TailReads:

@@ -24,7 +24,8 @@ from ..format import ShardEntry
 from ..format.codec import file_sha256
 from . import index as ix
 from .facade import Store
-from .shards import OpenedCopy, SealedShard, check_lmdb_file, iter_lmdb_records
+from .lmdb_checks import check_lmdb_file
+from .shards import OpenedCopy, SealedShard, iter_lmdb_records
 
 
 def _check_record(v: Any) -> tuple[str | None, str | None]:
