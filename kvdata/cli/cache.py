@@ -56,7 +56,7 @@ def _engine() -> Engine:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def stage(dataset: str, tier: str | None, wait: bool, as_json: bool) -> None:
     """Copy a dataset's shards into a tier ahead of a job (verified, resumable)."""
-    from ..reader.daemon_client import stage_entries, stage_request
+    from ..reader.daemon_requests import stage_entries, stage_request
     from ..reader.open import open_dataset
 
     daemon = _daemon()
@@ -103,7 +103,7 @@ def stage(dataset: str, tier: str | None, wait: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def evict(dataset: str, tier: str | None, as_json: bool) -> None:
     """Drop staged copies of a dataset's shards (never the home; shards being read stay)."""
-    from ..reader.daemon_client import evict_request
+    from ..reader.daemon_requests import evict_request
     from ..reader.open import open_dataset
 
     daemon = _daemon()

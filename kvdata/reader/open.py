@@ -28,7 +28,8 @@ from ..tiers.engine import Engine
 from ..tiers.homes import is_url, open_home
 from ..tiers.mirror import cache_root, mirror
 from ..tiers.source import EngineSource, max_open_within
-from .daemon_client import DaemonStager, open_root
+from .daemon_client import DaemonStager
+from .daemon_requests import open_root
 
 
 def open_dataset(location: str | os.PathLike[str], mode: str = "r", *, shard_size: int | str | None = None,

@@ -210,7 +210,7 @@ def test_uid_b_stages_its_own_dataset_by_passing_the_shard_files(trust: Trust) -
     d = trust.kit.daemon()
 
     def stage(location: str) -> dict[str, Any]:
-        from kvdata.reader.daemon_client import stage_request
+        from kvdata.reader.daemon_requests import stage_request
 
         with kvdata.open(location, use_daemon=False) as s, Client(os.environ["KVDATA_SOCKET"]) as c:
             return stage_request(c, location, s.manifest.shards, wait=True)
