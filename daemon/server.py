@@ -37,7 +37,8 @@ from typing import Any
 from kvdata.errors import BadRequest, KVDataError, NotAllowed, ProtocolError
 from kvdata.protocol import HEADER, MAX_FDS, MAX_FRAME, TYPES, close_fds, decode_body, encode, recv_with_fds
 
-from .state import Passed, Service
+from .passed import Passed
+from .state import Service
 from .trust import Peer, peer_of
 
 log = logging.getLogger("kvdatad")

@@ -2,8 +2,9 @@
 
 `Service` owns the staging engine (kvdata.tiers.engine), the datasets clients opened,
 the readers' announced orders, and the counters `kvdata status` shows. Every client
-input is validated here before it reaches the engine, and every request is answered
-for the peer the kernel names (SO_PEERCRED, see trust.py), following docs/SECURITY.md:
+input is validated here (or in Service's parts, datasets.py and passed.py) before it
+reaches the engine, and every request is answered for the peer the kernel names
+(SO_PEERCRED, see trust.py), following docs/SECURITY.md:
 
 - Datasets are absolute paths without '..' or NUL, or s3:// / http(s):// URLs. A URL is
   fetched only if it lies under `[daemon] allow_homes` (NotAllowed otherwise: the reader
@@ -33,102 +34,34 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvdata._util.digest import is_sha256
-from kvdata.config import Config, normalize_home_url
-from kvdata.errors import BadRequest, ConfigError, NotAllowed, RemoteError, StaleManifest
-from kvdata.protocol import MAX_FDS, PROTOCOL_VERSION, SHARD_KINDS, close_fds, pack_flags
-from kvdata.tiers import Manifest, ShardEntry, policy
+from kvdata.config import Config
+from kvdata.errors import BadRequest, NotAllowed, RemoteError, StaleManifest
+from kvdata.protocol import PROTOCOL_VERSION
+from kvdata.tiers import ShardEntry
 from kvdata.tiers.engine import Engine
-from kvdata.tiers.fetch import content_matches
-from kvdata.tiers.homes import Home, PassedFiles, open_home
-from kvdata.tiers.mirror import cache_root, manifest_from_fd, mirror, open_mirror_files, read_manifest
+from kvdata.tiers.homes import Home, PassedFiles
+from kvdata.tiers.mirror import manifest_from_fd, open_mirror_files
 
+from .datasets import Datasets, is_url, passed_key
+from .passed import Passed, PassedDescriptors, close_when_done
+from .service_state import INTERNAL, ClientState, OpenDataset
 from .trust import Peer, secure_tiers
 
-MAX_LOCATION = 4096
 MAX_READER = 256
 MAX_CATCH_UP = 64         # reader positions one need/want may carry
 MAX_WANT = 4096          # shards one `want` may name
-HELD_PER_DATASET = 32    # descriptors of one dataset a connection's requests leave with the daemon (LRU)
-PASSED_DATASETS = 4      # datasets per connection with descriptors held
 UID_DATASETS = 32        # datasets one unprivileged uid has open from passed manifests (least recent dropped)
-PROOFS = 65536           # file identities remembered as holding a shard's content
 OPEN_ATTEMPTS = 3        # a staged copy may be evicted between locate and open
-INTERNAL = Peer(0, 0, 0, True)
 
 
-@dataclass
-class OpenDataset:
-    location: str
-    home: Home
-    root: Path
-    manifest: Manifest
-    owner: int | None = None          # uid whose passed manifest this is; None: read by the daemon itself
-    users: set[int] = field(default_factory=set)  # uids that opened it (status shows it to these)
-    staged_all: bool = False  # `kvdata stage` asked for it: keep new generations staged too
-    key: str = ""             # the engine's key for its shard list (policy.dataset_key): mode, resident set
-
-
-@dataclass
-class ClientState:
-    id: int
-    peer: Peer = INTERNAL
-    pid: int | None = None
-    readers: set[str] = field(default_factory=set)
-    stall_seconds: float = 0.0
-    passed: OrderedDict[str, PassedFiles] = field(default_factory=OrderedDict)  # dataset key -> descriptors
-    using: set[str] = field(default_factory=set)  # engine keys of the datasets this client read
-
-
-class Passed:
-    """The descriptors that came with one request: a handler takes what it keeps, the
-    server closes whatever is left after the reply."""
-
-    def __init__(self, fds: list[int]) -> None:
-        self._fds = list(fds)
-
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def take(self) -> int:
-        return self._fds.pop(0)
-
-    def close(self) -> None:
-        close_fds(self._fds)
-        self._fds = []
-
-
-def is_url(location: str) -> bool:
-    return location.startswith(("s3://", "http://", "https://"))
-
-
-def check_location(value: Any) -> str:
-    """A dataset location a client may name (a normalized URL or a clean absolute path), or BadRequest."""
-    if not isinstance(value, str) or not value or len(value) > MAX_LOCATION or "\x00" in value:
-        raise BadRequest("dataset must be a non-empty string without NUL bytes")
-    if is_url(value):
-        try:
-            return normalize_home_url(value)
-        except ConfigError as e:
-            raise BadRequest(f"dataset URL: {e}") from None
-    p = Path(value)
-    if not p.is_absolute():
-        raise BadRequest(f"dataset {value!r} must be an absolute path or an s3:// / http(s):// URL")
-    if ".." in p.parts:
-        raise BadRequest(f"dataset path {value!r} may not contain '..'")
-    return str(p)
-
-
-def _passed_key(uid: int, location: str) -> str:
-    return f"{location}\x00uid={uid}"  # NUL never occurs in a location: no clash with a shared one
-
-
-class Service:
-    """Request handlers; thread-safe (the socket loop runs blocking ones in a pool)."""
+class Service(PassedDescriptors, Datasets):
+    """Request handlers; thread-safe (the socket loop runs blocking ones in a pool). Its parts,
+    mixins over service_state.ServiceState: datasets.Datasets (the datasets open, and for whom),
+    passed.PassedDescriptors (the files clients pass)."""
 
     def __init__(self, config: Config) -> None:
         secure_tiers(config)
@@ -166,186 +99,10 @@ class Service:
             for key in st.using - still:  # nobody reads it now: its resident set is not kept any more
                 self.engine.modes.deactivate(key)
 
-    def _client(self, cid: int | None) -> ClientState:
-        with self._lock:
-            st = self.clients.get(cid) if cid is not None else None
-        if st is None:
-            if cid is None:
-                return ClientState(0)
-            raise BadRequest("this connection is closing")
-        return st
-
     def peer(self, cid: int | None) -> Peer:
         return self._client(cid).peer
 
-    def local_datasets(self) -> list[str]:
-        """Local datasets the daemon itself reads (watched for new generations)."""
-        with self._lock:
-            return [loc for loc, d in self.datasets.items() if d.owner is None and d.home.local_path("") is not None]
-
-    # ------------------------------------------------------------ datasets
-
-    def _location(self, value: Any) -> str:
-        loc = check_location(value)
-        if is_url(loc) and not self.config.daemon.home_allowed(loc):
-            raise NotAllowed(f"kvdatad does not fetch {loc}: it is not under its [daemon] allow_homes, so the reader "
-                             "stages it itself")
-        return loc
-
-    def _dataset(self, cid: int | None, value: Any) -> tuple[OpenDataset, Home]:
-        """The dataset a request names, as this peer sees it, and the home to stage its shards
-        from for this connection."""
-        loc = self._location(value)
-        st = self._client(cid)
-        if is_url(loc) or st.peer.privileged:
-            shared = self._shared(loc, st.peer.uid)
-            self._use(st, shared)
-            return shared, shared.home
-        key = _passed_key(st.peer.uid, loc)
-        with self._lock:
-            ds = self.datasets.get(key)
-        if ds is None:
-            raise NotAllowed(f"{loc} is not open for uid {st.peer.uid}: open it first, passing its manifest "
-                             "(kvdatad reads local datasets only from descriptors their reader passes)")
-        self._use(st, ds)
-        return ds, self._passed_home(st, key, loc)
-
-    def _use(self, st: ClientState, ds: OpenDataset) -> None:
-        with self._lock:
-            st.using.add(ds.key)
-
-    def _mode(self, ds: OpenDataset) -> dict[str, Any]:
-        """How the dataset is read (reply fields of an empty `want`): "shard-aware", or
-        "random" with the largest sha256 of its resident set (a shard with a sha256 <= it is
-        kept whole; every other one is read record by record)."""
-        modes = self.engine.modes
-        modes.activate([ds.key])
-        reply: dict[str, Any] = {"mode": modes.mode(ds.key), "resident_below": modes.resident_threshold(ds.key)}
-        shas = [e.sha256 for e in ds.manifest.shards]
-        if self.engine.congested():  # no room for a needed shard lately: read what is not staged by record
-            reply["congested"] = True
-            reply["staged"] = pack_flags(self.engine.staged(shas))
-        elif reply["mode"] == policy.SHARD_AWARE and self.engine.keep_set()[0] is not None:
-            # larger than the tiers: shards read once this pass are read by record (Engine.bypassed)
-            staged = self.engine.staged(shas)
-            reply["whole"] = pack_flags([have or not self.engine.bypassed(sha) for sha, have in zip(shas, staged)])
-        return reply
-
-    def _shared(self, loc: str, uid: int) -> OpenDataset:
-        with self._lock:
-            ds = self.datasets.get(loc)
-        if ds is None:
-            ds = self.open_dataset(loc)
-        with self._lock:
-            ds.users.add(uid)
-        return ds
-
-    def _passed_home(self, st: ClientState, key: str, loc: str) -> PassedFiles:
-        with self._lock:
-            home = st.passed.get(key)
-            if home is None:
-                home = st.passed[key] = PassedFiles(loc)
-                while len(st.passed) > PASSED_DATASETS:
-                    _k, old = st.passed.popitem(last=False)
-                    old.close()
-            st.passed.move_to_end(key)
-            return home
-
-    def open_dataset(self, loc: str, refresh: bool = False) -> OpenDataset:
-        """A dataset the daemon reads itself (a privileged peer's path, or an allowed URL)."""
-        with self._lock:
-            old = self.datasets.get(loc)
-        if old is not None and not refresh:
-            return old
-        home = old.home if old is not None else open_home(loc)
-        if home.local_path("") is not None:
-            root = Path(loc)
-            m = read_manifest(root)
-        else:
-            root = mirror(home, cache_root(self.config))
-            m = read_manifest(root)
-        self.engine.check_budgets(list(m.shards))
-        ds = OpenDataset(loc, home, root, m, staged_all=bool(old and old.staged_all),
-                         users=set(old.users) if old is not None else set(),
-                         key=self.engine.open_dataset(m.shards, label=loc))
-        with self._lock:
-            self.datasets[loc] = ds
-        if ds.staged_all:
-            for e in m.shards:
-                self.engine.stage(home, e)
-        return ds
-
-    def _entry(self, ds: OpenDataset, shard: Any) -> ShardEntry:
-        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < len(ds.manifest.shards):
-            raise BadRequest(f"shard must be an integer id in [0, {len(ds.manifest.shards)}) of {ds.location}")
-        return ds.manifest.shards[shard]
-
-    # ------------------------------------------------------------ passed descriptors
-
-    def _hold(self, cid: int | None, home: PassedFiles, entry: ShardEntry, fd: int, kind: Any) -> None:
-        """Keep a shard file a client passed (checked by PassedFiles.add), within the bounds."""
-        if kind not in SHARD_KINDS or (kind == "zst" and entry.zst is None):
-            os.close(fd)
-            raise BadRequest(f"kind must be one of {', '.join(SHARD_KINDS)} (zst only for a shard with a .zst copy)")
-        if self._held_total() >= self.max_held_fds:
-            os.close(fd)
-            raise NotAllowed("kvdatad holds as many passed files as it may; the reader stages this shard itself")
-        size = entry.bytes if kind == "mdb" else entry.zst.bytes  # type: ignore[union-attr]
-        try:
-            home.add(entry.sha256, fd, kind, size)
-        except RemoteError as e:
-            raise BadRequest(f"shard {entry.id} of {home.url}: {e}") from None
-        home.drop_oldest(HELD_PER_DATASET)
-
-    def _held_total(self) -> int:
-        with self._lock:
-            homes = [h for c in self.clients.values() for h in c.passed.values()]
-        return sum(len(h) for h in homes)
-
-    def _take_files(self, cid: int | None, ds: OpenDataset, home: Home, msg: dict[str, Any],
-                    field_name: str = "ahead") -> list[ShardEntry]:
-        """Shard files passed as `ahead` [[id, kind], ...] with one descriptor each; the entries."""
-        items = msg.get(field_name)
-        passed: Passed = msg["_fds"]
-        if items is None:
-            return []
-        if not isinstance(items, list) or len(items) != len(passed) or len(items) > MAX_FDS:
-            raise BadRequest(f"{field_name} must be a list of [shard id, kind] pairs, one per descriptor passed")
-        if not isinstance(home, PassedFiles):
-            return []  # a peer the daemon reads paths for: its descriptors are not needed (closed after the reply)
-        out = []
-        for item in items:
-            if not isinstance(item, list) or len(item) != 2:
-                raise BadRequest(f"{field_name} must be a list of [shard id, kind] pairs")
-            e = self._entry(ds, item[0])
-            self._hold(cid, home, e, passed.take(), item[1])
-            out.append(e)
-        return out
-
-    def _prove(self, home: PassedFiles, entry: ShardEntry) -> None:
-        """An unprivileged peer gets a copy only of content it holds: the copy was made from
-        its own passed file, or that file hashes to the shard's sha256 (remembered by the
-        file's identity, so a dataset's next epoch costs nothing)."""
-        got = home.open_passed(entry.sha256)
-        if got is None:
-            raise NotAllowed(f"shard {entry.id} of {home.url}: pass the shard's file with the request")
-        fd, kind = got
-        try:
-            st = os.fstat(fd)
-            ident = (st.st_dev, st.st_ino)
-            sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, kind, entry.sha256)
-            with self._lock:
-                known = self._proofs.get(ident) == sig
-            if not known and entry.sha256 not in home.proven and not content_matches(fd, kind, entry):
-                raise NotAllowed(f"shard {entry.id} of {home.url}: the file passed does not hold the content its "
-                                 "manifest names; nothing was served")
-            with self._lock:
-                self._proofs[ident] = sig
-                self._proofs.move_to_end(ident)
-                while len(self._proofs) > PROOFS:
-                    self._proofs.popitem(last=False)
-        finally:
-            os.close(fd)
+    # ------------------------------------------------------------ copies handed back
 
     def _open_copy(self, home: Home, entry: ShardEntry) -> tuple[Path, bool, int]:
         """(path, staged, a read-only descriptor of it) -- locating again if it was evicted meanwhile."""
@@ -386,7 +143,7 @@ class Service:
             finally:
                 os.close(fd)
             self.engine.check_budgets(list(m.shards))
-            key = _passed_key(st.peer.uid, loc)
+            key = passed_key(st.peer.uid, loc)
             ds = OpenDataset(loc, PassedFiles(loc), Path(loc), m, owner=st.peer.uid, users={st.peer.uid},
                              key=self.engine.open_dataset(m.shards, label=loc))
             with self._lock:
@@ -559,7 +316,7 @@ class Service:
                 request_home.close()
                 raise NotAllowed(f"{ds.location}: pass the shard files to stage as ahead [[id, kind], ...] with descriptors")
             futures = [self.engine.stage(request_home, e, tier) for e in entries]
-            _close_when_done(request_home, futures)
+            close_when_done(request_home, futures)
         else:
             ds.staged_all = True
             futures = [self.engine.stage(home, e, tier) for e in ds.manifest.shards]
@@ -642,20 +399,3 @@ class Service:
     def close(self) -> None:
         self.engine.close()
 
-
-def _close_when_done(home: PassedFiles, futures: list[Future[Path]]) -> None:
-    """Close a request's descriptors once every staging job that may read them has ended."""
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_f: Future[Path]) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            home.close()
-
-    if not futures:
-        home.close()
-    for f in futures:
-        f.add_done_callback(done)
