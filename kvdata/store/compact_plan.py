@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .writer import RECORD_OVERHEAD  # LMDB's bytes per record beyond the value, as the writer counts them
+from .open_tail import RECORD_OVERHEAD  # LMDB's bytes per record beyond the value, as the writer counts them
 
 SMALL_FRACTION = 0.5    # a sealed shard under this fraction of shard_size is merged with its neighbours
 BALANCE_SLACK = 1.02    # balanced pieces may be this much fuller than total/k before k grows

@@ -24,7 +24,6 @@ import errno
 import json
 import os
 import shutil
-from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import accumulate, islice, repeat
@@ -50,15 +49,13 @@ from ..format import Manifest, TailEntry, names, raw_batch
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .new_generation import write_generation
+from .open_tail import RECORD_OVERHEAD, OpenTail
 from .pending import Pending
 from .reader import Reader
 from .recovery import LeftBehind, holds_data, settle, tidy
 from .retire import Journal, old_files, write_journal
-from .sealing import seal
-from .shards import ENVS, open_tail_for_write, release_dead_pages, truncate_tail
+from .shards import ENVS
 
-LMDB_TXN_BYTES = 64 << 20  # commit the LMDB transaction this often to bound dirty memory
-RECORD_OVERHEAD = 64       # LMDB's per-record bytes beyond the value, for sealing decisions
 DEFAULT_SHARD_SIZE = 256_000_000
 _MANIFEST_KEYS = {"format", *(f.name for f in dataclasses.fields(Manifest))} - {"extra"}
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
@@ -69,13 +66,8 @@ class Writer:
     """The pending writes of one dataset opened with mode a/w, and its Reader."""
 
     m: Manifest           # the last committed generation's manifest
-    shard_size: int
     compress: bool
     pending: Pending
-    tail_id: int
-    tail_slots: int
-    tail_bytes: int
-    txn_bytes: int
 
     def __init__(self, root: Path, *, shard_size: int | str | None, compress: bool, reset: bool,
                  make_reader: Callable[[Generation], Reader]) -> None:
@@ -102,9 +94,7 @@ class Writer:
         self._seal_on_close = reset
         self._make_reader = make_reader
         self.reader: Reader | None = None
-        self.txn: Any = None
-        self.env: Any = None
-        self._old_envs: dict[int, Any] = {}
+        self.tail = OpenTail(root / names.SHARDS_DIR)
         self.failed = False
         try:
             (root / names.SHARDS_DIR).mkdir(exist_ok=True)
@@ -152,7 +142,7 @@ class Writer:
         """Bring files back to exactly what manifest.json says and reset pending state.
 
         Everything the manifest names is checked before any file is touched."""
-        self._close_envs(abort=True)
+        self.tail.close(abort=True)
         self._wait_hashing()
         m = read_manifest(self.root)
         tail_path = self.shards_dir / m.tail.name
@@ -164,13 +154,10 @@ class Writer:
         gen = load_generation(self.root)  # its index files exist and fit, or a clear error -- still nothing touched
         m = gen.manifest
         self.m = m
-        self.shard_size = shard_size or m.shard_size
         self.compress = m.compress
         self._tidy(m)
         try:
-            self.env = open_tail_for_write(tail_path, self.shard_size, check_pages=True)
-            truncate_tail(self.env, m.tail.records)
-            release_dead_pages(self.env, tail_path)
+            self.tail.reopen(tail_path, m.tail.id, m.tail.records, shard_size or m.shard_size)
         except OSError as e:
             if _disk_full(e):
                 raise CommitError(_full_at_open(self.root, e)) from None
@@ -180,11 +167,6 @@ class Writer:
                 raise CommitError(_full_at_open(self.root, e)) from None
             reason = (str(e).splitlines() or [""])[0].removeprefix(f"{tail_path}: ") or type(e).__name__
             raise CorruptDatasetError(f"{tail_path}: cannot open the tail shard ({reason}); run `kvdata reindex`") from None
-        self.tail_id = m.tail.id
-        self.tail_slots = m.tail.records
-        info = self.env.info()
-        self.tail_bytes = (info["last_pgno"] + 1) * 4096 if self.tail_slots else 0
-        self.txn_bytes = 0
         self.pending = Pending()
         self.schema = dict(m.fields)
         self._last_schema: dict[str, Any] | None = None
@@ -214,18 +196,9 @@ class Writer:
         for h in (pending.hashing.values() if pending is not None else ()):
             h.wait()
 
-    def _close_envs(self, abort: bool) -> None:
-        if self.txn is not None:
-            ENVS.mark_busy(self.env, -1)
-            try:
-                self.txn.abort() if abort else self.txn.commit()
-            except lmdb.Error:
-                pass
-            self.txn = None
-        for e in list(self._old_envs.values()) + ([self.env] if self.env is not None else []):
-            ENVS.release(e)
-        self._old_envs.clear()
-        self.env = None
+    @property
+    def shard_size(self) -> int:
+        return self.tail.shard_size
 
     def _check(self) -> None:
         if self._lock is None or self.failed:
@@ -320,25 +293,12 @@ class Writer:
         ends = list(accumulate(needs))
         i = 0
         while i < len(recs):
-            if self.tail_slots and self.tail_bytes + needs[i] > self.shard_size:
+            if self.tail.full_for(needs[i]):
                 self._seal()
-            before = ends[i - 1] if i else 0  # bytes of the chunk already appended
-            fit = bisect_right(ends, before + self.shard_size - self.tail_bytes, lo=i)       # within the shard
-            reach = bisect_left(ends, before + LMDB_TXN_BYTES - self.txn_bytes, lo=i) + 1    # the txn's last
-            j = max(i + 1, min(fit, reach, len(recs)))
-            slot = self.tail_slots
-            with self._tail_txn() as txn:
-                slot_keys = [s.to_bytes(8, "big") for s in range(slot, slot + j - i)]
-                consumed, added = txn.cursor().putmulti(zip(slot_keys, recs[i:j]), append=True)
-                if consumed != j - i or added != j - i:
-                    raise lmdb.Error(f"LMDB appended {added} of {j - i} records")
-                self.tail_slots += j - i
-                self.tail_bytes += ends[j - 1] - before
-                self.txn_bytes += ends[j - 1] - before
+            with self._tail_failing():
+                slot, j = self.tail.append_run(recs, ends, i)
                 self.pending.dirty = True
-                if self.txn_bytes >= LMDB_TXN_BYTES:
-                    self._flush_txn()
-            self.pending.add_many(keys[i:j], self.tail_id, slot, repeat(fmt.NO_LABEL, j - i), hashes[i:j])
+            self.pending.add_many(keys[i:j], self.tail.id, slot, repeat(fmt.NO_LABEL, j - i), hashes[i:j])
             i = j
         return True
 
@@ -354,7 +314,7 @@ class Writer:
     def _put_record(self, skey: str, h: int, rec: bytes, label: int | None, layout: list,
                     committed: int | None) -> None:
         slot = self._append(skey, rec)
-        row = (self.tail_id, slot, fmt.NO_LABEL if label is None else int(label))
+        row = (self.tail.id, slot, fmt.NO_LABEL if label is None else int(label))
         p = self.pending
         i = p.new_keys.get(skey)
         if i is not None:
@@ -393,28 +353,19 @@ class Writer:
                 f"key {skey!r}: record of {len(rec)} bytes does not fit in a shard of {self.shard_size} bytes; "
                 "use a larger --shard-size"
             )
-        if self.tail_slots and self.tail_bytes + need > self.shard_size:
+        if self.tail.full_for(need):
             self._seal()
-        slot = self.tail_slots
-        with self._tail_txn() as txn:
-            txn.put(fmt.slot_key(slot), rec, append=True)
-            self.tail_slots += 1
-            self.tail_bytes += need
-            self.txn_bytes += need
+        with self._tail_failing():
+            slot = self.tail.append(rec, need)
             self.pending.dirty = True
-            if self.txn_bytes >= LMDB_TXN_BYTES:
-                self._flush_txn()
         return slot
 
     @contextmanager
-    def _tail_txn(self) -> Iterator[Any]:
-        """The tail's write transaction (begun if none is open); a failure inside discards every
-        write since the last commit and raises CommitError."""
+    def _tail_failing(self) -> Iterator[None]:
+        """A failure inside (writing the tail) discards every write since the last commit and
+        raises CommitError."""
         try:
-            if self.txn is None:
-                self.txn = self.env.begin(write=True)
-                ENVS.mark_busy(self.env, 1)
-            yield self.txn
+            yield
         except lmdb.MapFullError:
             self._fail()
             raise CommitError(f"{self.root}: the tail shard's map is full; commit more often or lower --shard-size") from None
@@ -422,45 +373,27 @@ class Writer:
             self._fail()
             raise CommitError(self._failure_message(e)) from None
 
-    def _flush_txn(self) -> None:
-        if self.txn is not None:
-            txn, self.txn = self.txn, None
-            ENVS.mark_busy(self.env, -1)
-            txn.commit()
-        self.txn_bytes = 0
-
     def _seal(self) -> None:
         """Turn the full tail into an immutable shard; later records go to a new tail.
 
         Sealing and opening the next tail are one step: if either fails, everything since the
         last commit is discarded (recovery), so no state can name records that do not exist."""
         inc = self.m.incarnation
-        next_tail = names.tail_name(self.tail_id + 1, inc)
         try:
-            self._flush_txn()
-            self.env.sync(True)
-            self._written |= {names.shard_name(self.tail_id, inc), names.zst_name(names.shard_name(self.tail_id, inc)),
-                              next_tail, names.lmdb_lock_name(next_tail)}
-            entry, records, hasher = seal(self.env, self.shards_dir, self.tail_id, self.compress, inc, hash_later=True)
-            assert hasher is not None  # hashed while the rows are read and the next tail fills
-            env = open_tail_for_write(self.shards_dir / next_tail, self.shard_size)
+            self._written |= self.tail.names_of_seal(inc)
+            entry, records, hasher = self.tail.seal(self.compress, inc)
         except (OSError, lmdb.Error, CorruptDatasetError) as e:
             self._fail()
             raise CommitError(self._failure_message(e)) from None
         self.pending.sealed.append((entry, records))
         self.pending.hashing[entry.id] = hasher
-        self._old_envs[self.tail_id] = self.env
-        self.tail_id += 1
-        self.env = env
-        self.tail_slots = 0
-        self.tail_bytes = 0
 
     # ------------------------------------------------------------ commit
 
     def commit(self) -> int:
         self._check()
         p = self.pending
-        if p.seal_requested and self.tail_slots:
+        if p.seal_requested and self.tail.slots:
             self._seal()
             p.dirty = True
         p.seal_requested = False
@@ -468,8 +401,7 @@ class Writer:
             return self.m.generation
         self._check_sole_writer()
         try:
-            self._flush_txn()
-            self.env.sync(True)
+            self.tail.sync()
             self._hashed()
             new_m, stale = self._write_generation()
         except (OSError, lmdb.Error) as e:
@@ -477,12 +409,12 @@ class Writer:
             raise CommitError(self._failure_message(e)) from None
         for name in stale:
             unlink_quiet(self.root / name)
-        for tid, env in list(self._old_envs.items()):
+        for tid, env in list(self.tail.sealed_envs.items()):
             ENVS.release(env)
             old_tail = names.tail_name(tid, self.m.incarnation)
             unlink_quiet(self.shards_dir / old_tail)
             unlink_quiet(self.shards_dir / names.lmdb_lock_name(old_tail))
-        self._old_envs.clear()
+        self.tail.sealed_envs.clear()
         settle(self.root, new_m)  # files of a compacted generation whose readers have gone (store.retire)
         self.m = new_m
         self.pending = Pending()
@@ -540,7 +472,7 @@ class Writer:
 
     def _write_generation(self) -> tuple[Manifest, list[str]]:
         self._writing_generation = self.m.generation + 1
-        tail = TailEntry(self.tail_id, names.tail_name(self.tail_id, self.m.incarnation), self.tail_slots)
+        tail = TailEntry(self.tail.id, names.tail_name(self.tail.id, self.m.incarnation), self.tail.slots)
         return write_generation(self.root, self.m, self.pending, self._committed().gen.index, tail,
                                 self.schema, self.classes, self.extra)
 
@@ -552,12 +484,12 @@ class Writer:
         committed = False
         try:
             if commit and not self.failed:
-                if self._seal_on_close and (self.tail_bytes >= SEAL_ON_CLOSE_MIN or self.m.shards or self.pending.sealed):
+                if self._seal_on_close and (self.tail.bytes >= SEAL_ON_CLOSE_MIN or self.m.shards or self.pending.sealed):
                     self.request_seal()  # read right away through the sealed (memory-map) path
                 self.commit()
                 committed = True
         finally:
-            self._close_envs(abort=True)
+            self.tail.close(abort=True)
             self._wait_hashing()
             never_written = self._created and self.m.generation == 0 and not committed
             if never_written:

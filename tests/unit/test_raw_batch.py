@@ -13,7 +13,7 @@ from kvdata import format as fmt
 from kvdata.errors import InvalidKeyError, RecordTooLargeError
 from kvdata.format import raw_batch
 from kvdata.reader.open import verify
-from kvdata.store import writer as writer_mod
+from kvdata.store import open_tail as open_tail_mod
 from kvdata.store.rebuild import reindex
 
 KEYS = ["a", "k" * 31, "k" * 32, "k" * 255, "k" * 256, "k" * 4096, "ключ-é", "日本語のキー", "x y\tz"]
@@ -57,7 +57,7 @@ def _state(p: Path) -> dict[str, bytes]:
 
 def test_put_many_of_raw_records_equals_a_put_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks cut by seals and by LMDB transactions in their middle, keys of every length."""
-    monkeypatch.setattr(writer_mod, "LMDB_TXN_BYTES", 50_000)  # a transaction every ~45 records
+    monkeypatch.setattr(open_tail_mod, "LMDB_TXN_BYTES", 50_000)  # a transaction every ~45 records
     rng = np.random.default_rng(1)
     items = [(f"{i}-{'k' * int(rng.integers(1, 300))}", rng.integers(0, 256, int(rng.integers(0, 3000)), np.uint8)
               .tobytes()) for i in range(3000)]
