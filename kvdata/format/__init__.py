@@ -15,6 +15,7 @@ from .manifest import (
     ShardEntry,
     TailEntry,
     ZstCopy,
+    checked_extra,
     dump_manifest,
     manifest_from_json,
     new_manifest,
@@ -71,7 +72,7 @@ from .record import (
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "IndexFiles", "KeyRunEntry", "Manifest", "ShardEntry", "TailEntry",
-    "ZstCopy", "dump_manifest", "manifest_from_json", "new_manifest", "parse_manifest", "ALIGN", "F_ARRAY",
+    "ZstCopy", "checked_extra", "dump_manifest", "manifest_from_json", "new_manifest", "parse_manifest", "ALIGN", "F_ARRAY",
     "F_BOOL", "F_BYTES", "F_FLOAT", "F_INT", "F_NONE", "F_STR", "F_UINT", "HASH_DTYPE", "KIND_FIELDS",
     "KIND_RAW", "KIND_SHIFT", "KIND_TOMBSTONE", "MAGIC", "MAX_HEAD", "MAX_KEY_BYTES", "NO_LABEL",
     "POS_DTYPE", "PREFIX", "PREFIX_HEAD", "PREFIX_LAYOUT_LEN", "PREFIX_META_LEN", "PREFIX_SIZE",

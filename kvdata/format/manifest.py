@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptDatasetError, FormatVersionError
+from ..errors import CorruptDatasetError, FormatVersionError, InvalidValueError
 from . import names
 
 FORMAT_NAME = "kvdata"
@@ -360,3 +360,23 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             "run `kvdata reindex` to rebuild it from the shards"
         ) from None
     return manifest_from_json(m, where)
+
+
+_MANIFEST_KEYS = {"format", *(f.name for f in dataclasses.fields(Manifest))} - {"extra"}
+
+
+def checked_extra(m: Manifest, name: Any, value: Any) -> Any:
+    """`value` as a manifest's extra `name` will hold it (plain JSON), checked as a reader will
+    parse it, so a bad value can never make the manifest unreadable; InvalidValueError if not."""
+    if not isinstance(name, str) or not name or name in _MANIFEST_KEYS:
+        raise InvalidValueError(f"manifest key {name!r} is empty or one kvdata uses; choose another name")
+    try:
+        value = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise InvalidValueError(f"manifest key {name!r}: the value is not plain JSON ({str(e)[:200]})") from None
+    try:
+        manifest_from_json(json.loads(dump_manifest(m.replace(extra={name: value}))), name)
+    except CorruptDatasetError:  # the one way a plain JSON value fails: too deep for a reader
+        raise InvalidValueError(f"manifest key {name!r}: the value nests too deeply for a manifest; "
+                                "store it as a JSON string") from None
+    return value

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .._util.checksum import crc32
-from .record import ALIGN, KIND_RAW, MAGIC, MAX_KEY_BYTES, PREFIX, PREFIX_SIZE, RECORD_VERSION
+from .record import ALIGN, KIND_RAW, MAGIC, MAX_KEY_BYTES, PREFIX, PREFIX_SIZE, RECORD_VERSION, check_key
 
 _META_HEAD = b"\x81\xa1k"  # msgpack {"k": <str>}: a map of one entry, the key "k"
 _ZEROS = bytes(ALIGN)
@@ -50,6 +50,16 @@ def check_keys(keys: Sequence[Any]) -> list[bytes] | None:
     return kbs
 
 
+def chunk_keys(given: Sequence[Any]) -> tuple[list[str], list[bytes]]:
+    """(keys as str, their UTF-8 bytes) of a chunk's keys, checked at once where they are clean
+    str keys, else one at a time (record.check_key: the first bad key raises its own error)."""
+    kbs = check_keys(given)
+    if kbs is not None:
+        return list(given), kbs
+    kbs = [check_key(k) for k in given]
+    return [kb.decode("utf-8") for kb in kbs], kbs
+
+
 def key_hashes(kbs: Sequence[bytes]) -> np.ndarray:
     """record.key_hash of every key, as uint64 (the digests joined and read at once)."""
     b2 = hashlib.blake2b
@@ -59,6 +69,15 @@ def key_hashes(kbs: Sequence[bytes]) -> np.ndarray:
 def raw_values(values: Sequence[Any]) -> bool:
     """Whether every value is stored as a raw record by this module (bytes or bytearray)."""
     return set(map(type, values)) <= {bytes, bytearray}
+
+
+def raw_chunk_values(chunk: Sequence[tuple[Any, ...]], keys: Sequence[str]) -> list[Any] | None:
+    """The values of a chunk of (key, value) pairs if this module encodes it whole: no labels,
+    every value bytes or bytearray, no key twice. None: the record-at-a-time path."""
+    if set(map(len, chunk)) != {2} or len(set(keys)) != len(keys):
+        return None
+    values = [item[1] for item in chunk]
+    return values if raw_values(values) else None
 
 
 def encode_raw_records(kbs: Sequence[bytes], values: Sequence[bytes | bytearray]) -> list[bytes]:

@@ -3,6 +3,8 @@ turned into the next generation's index rows by the commit (store.new_generation
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -68,3 +70,24 @@ class Pending:
         rows["slot"] = np.frombuffer(self.new_slot, dtype=np.uint32)[alive]
         rows["label"] = np.frombuffer(self.new_label, dtype=np.int64)[alive]
         return rows, np.frombuffer(self.new_hash, dtype=np.uint64)[alive]
+
+    def hashed(self) -> None:
+        """Put the sha256 of every shard sealed since the last commit into its entry (waiting for
+        the hashing threads); a file that changed size since its seal fails the commit (OSError)."""
+        done = []
+        for entry, records in self.sealed:
+            h = self.hashing.get(entry.id)
+            if h is not None:
+                size, sha = h.result()
+                if size != entry.bytes:
+                    raise OSError(errno.EIO, f"shard {entry.name} changed size while it was sealed "
+                                             f"({entry.bytes} -> {size} bytes)")
+                entry = dataclasses.replace(entry, sha256=sha)
+            done.append((entry, records))
+        self.sealed = done
+        self.hashing.clear()
+
+    def wait_hashing(self) -> None:
+        """Let the sha256 threads of discarded seals finish before their files are touched."""
+        for h in self.hashing.values():
+            h.wait()

@@ -144,3 +144,14 @@ def key_at(r: HeaderSource, p: int) -> Any:
                         raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
     return metas(r, [p])[0][1].get("k")
 
+
+def find_many(r: HeaderSource, keys: list[str], hashes: np.ndarray) -> dict[int, int]:
+    """{i: sample position} for each keys[i] the generation holds (`hashes`: their key hashes),
+    one index search for the whole list and one metas call for the candidates."""
+    found: dict[int, int] = {}
+    q, p = r.gen.index.candidates_many(hashes)
+    if len(q):
+        for qi, pi, (_kind, meta) in zip(q.tolist(), p.tolist(), metas(r, p)):
+            if meta["k"] == keys[qi]:
+                found[qi] = pi
+    return found

@@ -19,10 +19,6 @@ The writer reads the committed generation only through its Reader's public metho
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import json
-import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -40,12 +36,12 @@ from ..errors import (
     ClosedError,
     CommitError,
     CorruptDatasetError,
-    InvalidValueError,
     MissingShardError,
     NotADatasetError,
     RecordTooLargeError,
 )
 from ..format import Manifest, TailEntry, names, raw_batch
+from . import record_metas
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .new_generation import write_generation
@@ -55,12 +51,11 @@ from .reader import Reader
 from .recovery import LeftBehind, holds_data, settle, tidy
 from .retire import Journal, old_files, write_journal
 from .shards import ENVS
+from .write_errors import disk_full, failure_message, full_at_open
 
 DEFAULT_SHARD_SIZE = 256_000_000
-_MANIFEST_KEYS = {"format", *(f.name for f in dataclasses.fields(Manifest))} - {"extra"}
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
 SEAL_ON_CLOSE_MIN = 64 << 10  # a "w" writer's close seals the tail unless the whole dataset is smaller
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 class Writer:
     """The pending writes of one dataset opened with mode a/w, and its Reader."""
@@ -82,8 +77,8 @@ class Writer:
             root.mkdir(parents=True, exist_ok=True)
             self._lock: WriterLock | None = WriterLock(root)
         except OSError as e:
-            if _disk_full(e):
-                raise CommitError(_full_at_open(root, e)) from None
+            if disk_full(e):
+                raise CommitError(full_at_open(root, e)) from None
             raise
         self._written: set[str] = set()  # shard-dir files this writer created: recovery may remove them
         self._writing_generation: int | None = None  # index files of this generation are ours (a commit in flight)
@@ -112,8 +107,8 @@ class Writer:
                 self.pending.dirty = True
         except BaseException as e:
             self._unlock()
-            if isinstance(e, OSError) and _disk_full(e):
-                raise CommitError(_full_at_open(root, e)) from None
+            if isinstance(e, OSError) and disk_full(e):
+                raise CommitError(full_at_open(root, e)) from None
             raise
 
     @property
@@ -159,12 +154,12 @@ class Writer:
         try:
             self.tail.reopen(tail_path, m.tail.id, m.tail.records, shard_size or m.shard_size)
         except OSError as e:
-            if _disk_full(e):
-                raise CommitError(_full_at_open(self.root, e)) from None
+            if disk_full(e):
+                raise CommitError(full_at_open(self.root, e)) from None
             raise
         except lmdb.Error as e:
-            if _disk_full(e):
-                raise CommitError(_full_at_open(self.root, e)) from None
+            if disk_full(e):
+                raise CommitError(full_at_open(self.root, e)) from None
             reason = (str(e).splitlines() or [""])[0].removeprefix(f"{tail_path}: ") or type(e).__name__
             raise CorruptDatasetError(f"{tail_path}: cannot open the tail shard ({reason}); run `kvdata reindex`") from None
         self.pending = Pending()
@@ -193,8 +188,8 @@ class Writer:
     def _wait_hashing(self) -> None:
         """Let the sha256 threads of discarded seals finish before their files are touched."""
         pending = getattr(self, "pending", None)
-        for h in (pending.hashing.values() if pending is not None else ()):
-            h.wait()
+        if pending is not None:
+            pending.wait_hashing()
 
     @property
     def shard_size(self) -> int:
@@ -213,20 +208,8 @@ class Writer:
         self.classes = classes
 
     def set_extra(self, name: str, value: Any) -> None:
-        """Keep plain-JSON `value` in the manifest under `name` from the next commit on; checked
-        now as a reader will parse it, so a bad value can never make the manifest unreadable."""
-        if not isinstance(name, str) or not name or name in _MANIFEST_KEYS:
-            raise InvalidValueError(f"manifest key {name!r} is empty or one kvdata uses; choose another name")
-        try:
-            value = json.loads(json.dumps(value, allow_nan=False))
-        except (TypeError, ValueError, RecursionError) as e:
-            raise InvalidValueError(f"manifest key {name!r}: the value is not plain JSON ({str(e)[:200]})") from None
-        try:
-            fmt.manifest_from_json(json.loads(fmt.dump_manifest(self.m.replace(extra={name: value}))), name)
-        except CorruptDatasetError:  # the one way a plain JSON value fails: too deep for a reader
-            raise InvalidValueError(f"manifest key {name!r}: the value nests too deeply for a manifest; "
-                                    "store it as a JSON string") from None
-        self.extra[name] = value
+        """Keep plain-JSON `value` in the manifest under `name` from the next commit on (checked now)."""
+        self.extra[name] = fmt.checked_extra(self.m, name, value)
 
     def put(self, key: str, value: Any, label: int | None) -> None:
         self._check()
@@ -249,22 +232,9 @@ class Writer:
         return n
 
     def _put_chunk(self, chunk: list[tuple[Any, ...]]) -> int:
-        given = [item[0] for item in chunk]
-        kbs = raw_batch.check_keys(given)
-        if kbs is None:  # one at a time: the first bad key raises its own error
-            kbs = [fmt.check_key(k) for k in given]
-            keys = [kb.decode("utf-8") for kb in kbs]
-        else:
-            keys = given
+        keys, kbs = raw_batch.chunk_keys([item[0] for item in chunk])
         hashes = raw_batch.key_hashes(kbs)
-        found: dict[int, int] = {}
-        reader = self._committed()
-        q, p = reader.gen.index.candidates_many(hashes)
-        if len(q):
-            metas = reader.metas(p)
-            for qi, pi, (_k, meta) in zip(q.tolist(), p.tolist(), metas):
-                if meta["k"] == keys[qi]:
-                    found[qi] = pi
+        found = record_metas.find_many(self._committed(), keys, hashes)  # chunk position -> sample position
         if not found and self._put_raw_batch(chunk, keys, kbs, hashes):
             return len(chunk)
         deleted = self.pending.deleted
@@ -280,11 +250,8 @@ class Writer:
                        hashes: np.ndarray) -> bool:
         """Append a chunk of new raw records at once (raw_batch), if it is one: every value bytes,
         no label, every key new to the dataset and distinct. False: nothing was written."""
-        if set(map(len, chunk)) != {2}:
-            return False
-        values = [item[1] for item in chunk]
-        if not raw_batch.raw_values(values) or len(set(keys)) != len(keys) \
-                or not self.pending.new_keys.keys().isdisjoint(keys):
+        values = raw_batch.raw_chunk_values(chunk, keys)
+        if values is None or not self.pending.new_keys.keys().isdisjoint(keys):
             return False
         recs = raw_batch.encode_raw_records(kbs, values)
         needs = [len(r) + RECORD_OVERHEAD for r in recs]
@@ -371,7 +338,7 @@ class Writer:
             raise CommitError(f"{self.root}: the tail shard's map is full; commit more often or lower --shard-size") from None
         except (OSError, lmdb.Error) as e:  # e.g. the disk filled while LMDB spilled dirty pages
             self._fail()
-            raise CommitError(self._failure_message(e)) from None
+            raise CommitError(failure_message(self.root, self.m.generation, e)) from None
 
     def _seal(self) -> None:
         """Turn the full tail into an immutable shard; later records go to a new tail.
@@ -384,7 +351,7 @@ class Writer:
             entry, records, hasher = self.tail.seal(self.compress, inc)
         except (OSError, lmdb.Error, CorruptDatasetError) as e:
             self._fail()
-            raise CommitError(self._failure_message(e)) from None
+            raise CommitError(failure_message(self.root, self.m.generation, e)) from None
         self.pending.sealed.append((entry, records))
         self.pending.hashing[entry.id] = hasher
 
@@ -402,11 +369,11 @@ class Writer:
         self._check_sole_writer()
         try:
             self.tail.sync()
-            self._hashed()
+            self.pending.hashed()
             new_m, stale = self._write_generation()
         except (OSError, lmdb.Error) as e:
             self._fail()
-            raise CommitError(self._failure_message(e)) from None
+            raise CommitError(failure_message(self.root, self.m.generation, e)) from None
         for name in stale:
             unlink_quiet(self.root / name)
         for tid, env in list(self.tail.sealed_envs.items()):
@@ -422,22 +389,6 @@ class Writer:
         self._publish(load_generation(self.root))
         return new_m.generation
 
-    def _hashed(self) -> None:
-        """Put the sha256 of every shard sealed since the last commit into its entry (waiting for
-        the hashing threads); a file that changed size since its seal fails the commit."""
-        p = self.pending
-        done = []
-        for entry, records in p.sealed:
-            h = p.hashing.get(entry.id)
-            if h is not None:
-                size, sha = h.result()
-                if size != entry.bytes:
-                    raise OSError(errno.EIO, f"shard {entry.name} changed size while it was sealed "
-                                             f"({entry.bytes} -> {size} bytes)")
-                entry = dataclasses.replace(entry, sha256=sha)
-            done.append((entry, records))
-        p.sealed = done
-        p.hashing.clear()
 
     def _check_sole_writer(self) -> None:
         """Refuse to commit if another writer got in (a filesystem where flock does not exclude):
@@ -451,17 +402,6 @@ class Writer:
                 f"(manifest at generation {on_disk}, this writer started from {self.m.generation}; is it on NFS, "
                 "where file locks may not exclude?); nothing was committed; open it again and write once at a time"
             )
-
-    def _failure_message(self, e: BaseException) -> str:
-        gen = self.m.generation
-        if _disk_full(e) or isinstance(e, lmdb.MapFullError):
-            why = "the disk is full"
-        elif isinstance(e, lmdb.Error):  # LMDB reports ENOSPC/EFBIG as text, often as a bare I/O error
-            why = f"writing the tail shard failed: {e}; is the disk full?"
-        else:
-            why = str(e)
-        return (f"{self.root}: commit failed ({why}); the dataset is unchanged at generation {gen} and the "
-                "writes since the last commit were discarded; free space and write them again")
 
     def _fail(self) -> None:
         """Discard pending writes and return the files to the last committed generation."""
@@ -500,17 +440,3 @@ class Writer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-def _disk_full(e: BaseException) -> bool:
-    """Whether an OSError or an LMDB error says the disk (or the quota) is full: LMDB gives the
-    errno only in its text (and a short write as a bare I/O error, which this cannot tell)."""
-    if getattr(e, "errno", None) in DISK_FULL_ERRNOS:
-        return True
-    return isinstance(e, lmdb.Error) and any(os.strerror(n) in str(e) for n in DISK_FULL_ERRNOS)
-
-
-def _full_at_open(root: Path, e: BaseException) -> str:
-    reason = getattr(e, "strerror", None) or str(e)
-    return (f"{root}: cannot open it for writing, the disk is full ({reason}); nothing was committed; "
-            "free space on its filesystem and try again")
