@@ -105,7 +105,19 @@ def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
         return np.zeros(0, dtype=SLOT_DTYPE) if entries == 0 else None
     if not 2 <= root < npages:
         return None
-    u8 = np.frombuffer(buf, np.uint8)
+    try:
+        return _walk(np.frombuffer(buf, np.uint8), psize, entries, root, npages, size)
+    except (MemoryError, ValueError, IndexError, OverflowError):  # any doubt is None; the frames that
+        return None                                              # held views of `buf` are gone by now
+
+
+WALK_CHUNK = 1 << 16  # nodes gathered at once: the walk's temporaries stay a few MB whatever the file says
+
+
+def _walk(u8: np.ndarray, psize: int, entries: int, root: int, npages: int, size: int) -> np.ndarray | None:
+    """lmdb_values' walk from `root`: the branch levels (at most npages children in all), then the
+    leaf level a chunk of pages at a time, each chunk's keys checked before the next is read (a
+    crafted leaf level fails in its first chunk, not after a pass over everything it claims)."""
     pages = np.array([root], dtype=np.int64)
     visited = 0
     for _depth in range(64):
@@ -126,20 +138,44 @@ def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
         total = int(counts.sum())
         if total > (npages if branch[0] else entries):  # children are distinct pages; a leaf node is a slot
             return None
-        page_base = np.repeat(base, counts)
-        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        ptrs = _u16(u8, page_base + _PAGE_HDR + 2 * within)
-        node = page_base + ptrs
-        if branch[0]:
-            if (ptrs + _NODE.size > psize).any():
-                return None
-            hdr = _block(u8, node, 6).view("<u2").astype(np.int64)  # lo, hi, flags = the child's page number
-            pages = hdr[:, 0] | (hdr[:, 1] << 16) | (hdr[:, 2] << 32)
-            if not len(pages) or len(np.unique(pages)) != len(pages):  # a tree, not a graph that revisits pages
-                return None
-            continue
-        return _leaf_values(u8, node, ptrs, psize, page_base, entries, npages, size)
+        if not branch[0]:
+            return _leaf_level(u8, base, counts, psize, entries, npages, size) if total == entries else None
+        page_base, ptrs = _pointers(u8, base, counts)
+        if (ptrs + _NODE.size > psize).any():
+            return None
+        hdr = _block(u8, page_base + ptrs, 6).view("<u2").astype(np.int64)  # lo, hi, flags: the child page
+        pages = hdr[:, 0] | (hdr[:, 1] << 16) | (hdr[:, 2] << 32)
+        if not len(pages) or len(np.unique(pages)) != len(pages):  # a tree, not a graph that revisits pages
+            return None
     return None
+
+
+def _pointers(u8: np.ndarray, base: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the page's offset, the node pointer) of every node of the pages at `base`, page by page."""
+    total = int(counts.sum())
+    page_base = np.repeat(base, counts)
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return page_base, _u16(u8, page_base + _PAGE_HDR + 2 * within)
+
+
+def _leaf_level(u8: np.ndarray, base: np.ndarray, counts: np.ndarray, psize: int, entries: int, npages: int,
+                size: int) -> np.ndarray | None:
+    """The SLOT_DTYPE rows of the leaf pages at `base` (key order), WALK_CHUNK nodes at a time."""
+    parts: list[np.ndarray] = []  # no array the size the meta page claims before the keys say it is so
+    ends = np.cumsum(counts)
+    done, p0 = 0, 0
+    while p0 < len(base):
+        p1 = max(p0 + 1, int(np.searchsorted(ends, done + WALK_CHUNK, "right")))
+        page_base, ptrs = _pointers(u8, base[p0:p1], counts[p0:p1])
+        rows = _leaf_values(u8, page_base, ptrs, psize, done, npages, size)
+        if rows is None:
+            return None
+        parts.append(rows)
+        done += len(rows)
+        p0 = p1
+    if done != entries:
+        return None
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=SLOT_DTYPE)
 
 
 def _u16(u8: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -149,8 +185,9 @@ def _u16(u8: np.ndarray, pos: np.ndarray) -> np.ndarray:
 
 def _block(u8: np.ndarray, pos: np.ndarray, width: int) -> np.ndarray:
     """The `width` bytes at each byte position, one row each (one gather per node, not one per
-    field: the nodes lie all over the file, and each separate gather missed the cache again)."""
-    return u8[pos[:, None] + np.arange(width, dtype=np.int64)]
+    field: the nodes lie all over the file, and each separate gather missed the cache again);
+    rows of a sliding view, so no index matrix is built."""
+    return np.lib.stride_tricks.sliding_window_view(u8, width)[pos]
 
 
 def _u64(u8: np.ndarray, pos: np.ndarray, order: str) -> np.ndarray:
@@ -158,17 +195,20 @@ def _u64(u8: np.ndarray, pos: np.ndarray, order: str) -> np.ndarray:
     return _block(u8, pos, 8).view(order + "u8").ravel()
 
 
-def _leaf_values(u8: np.ndarray, node: np.ndarray, ptrs: np.ndarray, psize: int, page_base: np.ndarray,
-                 entries: int, npages: int, size: int) -> np.ndarray | None:
-    """The SLOT_DTYPE rows of the leaf nodes at byte positions `node` (key order), or None."""
-    if len(node) != entries or (ptrs + _NODE.size + 8 > psize).any():
+def _leaf_values(u8: np.ndarray, page_base: np.ndarray, ptrs: np.ndarray, psize: int, first: int,
+                 npages: int, size: int) -> np.ndarray | None:
+    """The SLOT_DTYPE rows of leaf nodes (key order) whose keys must be the slots first, first+1, ...;
+    None on any doubt."""
+    if (ptrs + _NODE.size + 8 > psize).any():
         return None
+    node = page_base + ptrs
     blk = _block(u8, node, _NODE.size + 8)  # the node's header and its key, the slot number
     hdr = blk[:, :_NODE.size].view("<u2").astype(np.int64)
     dsize = hdr[:, 0] | (hdr[:, 1] << 16)
     if (hdr[:, 3] != 8).any() or (hdr[:, 2] & ~_F_BIGDATA).any():  # key size, node flags
         return None
-    if not np.array_equal(blk[:, _NODE.size:].view(">u8").ravel(), np.arange(entries, dtype=np.uint64)):
+    if not np.array_equal(blk[:, _NODE.size:].view(">u8").ravel(),
+                          np.arange(first, first + len(node), dtype=np.uint64)):
         return None
     nflags = hdr[:, 2]
     start = node + _NODE.size + 8
@@ -190,7 +230,7 @@ def _leaf_values(u8: np.ndarray, node: np.ndarray, ptrs: np.ndarray, psize: int,
         start[big] = obase + _PAGE_HDR
     if (start + dsize > size).any():
         return None
-    out = np.zeros(entries, dtype=SLOT_DTYPE)
+    out = np.zeros(len(node), dtype=SLOT_DTYPE)
     out["offset"] = start
     out["size"] = dsize
     return out

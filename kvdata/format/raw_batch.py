@@ -66,9 +66,13 @@ def key_hashes(kbs: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join([b2(kb, digest_size=8).digest() for kb in kbs]), "<u8").astype(np.uint64)
 
 
+MAX_PAYLOAD = (1 << 32) - 1  # a record's payload limit (record.encode_record names the record above it)
+
+
 def raw_values(values: Sequence[Any]) -> bool:
-    """Whether every value is stored as a raw record by this module (bytes or bytearray)."""
-    return set(map(type, values)) <= {bytes, bytearray}
+    """Whether every value is stored as a raw record by this module (bytes or bytearray under
+    the payload limit)."""
+    return set(map(type, values)) <= {bytes, bytearray} and (not values or max(map(len, values)) <= MAX_PAYLOAD)
 
 
 def raw_chunk_values(chunk: Sequence[tuple[Any, ...]], keys: Sequence[str]) -> list[Any] | None:

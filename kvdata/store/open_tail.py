@@ -116,7 +116,11 @@ class OpenTail:
         self.sync()
         entry, records, hasher = seal(self.env, self.shards_dir, self.id, compress, incarnation, hash_later=True)
         assert hasher is not None  # hashed while the rows are read and the next tail fills
-        env = open_tail_for_write(self.shards_dir / names.tail_name(self.id + 1, incarnation), self.shard_size)
+        try:
+            env = open_tail_for_write(self.shards_dir / names.tail_name(self.id + 1, incarnation), self.shard_size)
+        except BaseException:
+            hasher.wait()  # recovery is about to cut this file back: nothing may still read it
+            raise
         self.sealed_envs[self.id] = self.env
         self.id += 1
         self.env = env

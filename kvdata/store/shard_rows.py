@@ -45,21 +45,32 @@ assert _PREFIX_DTYPE.itemsize == fmt.PREFIX_SIZE
 
 def rows_from_pages(path: Path) -> np.ndarray | None:
     """Record rows of the shard file at `path` from its LMDB pages and record prefixes, read
-    in numpy (format.frames.lmdb_values, then every record's 20-byte prefix at once); None
-    when anything is in doubt (the caller walks the records through LMDB, which also says
-    what is wrong). About 100x faster than a walk through LMDB for 1 KiB records."""
+    in numpy (format.frames.lmdb_values, then the records' 20-byte prefixes); None when anything
+    is in doubt (the caller walks the records through LMDB, which also says what is wrong).
+    About 100x faster than a walk through LMDB for 1 KiB records."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        size = os.fstat(fd).st_size
-        if size < 2 * 512:
-            return None
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm, memoryview(mm) as mv:
-            return _rows(mv)
+        return rows_from_fd(fd)
     finally:
         os.close(fd)
+
+
+def rows_from_fd(fd: int) -> np.ndarray | None:
+    """rows_from_pages of the file open at `fd` (a shard being written: store.shard_writer)."""
+    size = os.fstat(fd).st_size
+    if size < 2 * 512:
+        return None
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm, memoryview(mm) as mv:
+        try:
+            return _rows(mv)
+        except (MemoryError, ValueError, IndexError, OverflowError):  # in doubt; the frames holding
+            return None                                               # views of the map are gone here
+
+
+ROWS_CHUNK = 1 << 16  # record prefixes read at once: the temporaries stay a few MB
 
 
 def _rows(mv: memoryview) -> np.ndarray | None:
@@ -67,21 +78,25 @@ def _rows(mv: memoryview) -> np.ndarray | None:
     if slots is None:
         return None
     u8 = np.frombuffer(mv, np.uint8)  # every array made below is a copy: none outlives the map
-    off = slots["offset"].astype(np.int64)
-    dsize = slots["size"].astype(np.int64)
-    if (dsize < fmt.PREFIX_SIZE).any():
-        return None
-    pre = u8[off[:, None] + np.arange(fmt.PREFIX_SIZE, dtype=np.int64)].view(_PREFIX_DTYPE).ravel()
-    head = pre["head"].astype(np.int64)
-    if (pre["magic"] != fmt.MAGIC).any() or (pre["kind"] > fmt.KIND_TOMBSTONE).any() \
-            or (pre["version"] > fmt.RECORD_VERSION).any() or (head > dsize).any() \
-            or (head < fmt.PREFIX_SIZE + pre["layout_len"].astype(np.int64) + pre["meta_len"]).any() \
-            or (head > fmt.MAX_HEAD).any():
-        return None
+    windows = np.lib.stride_tricks.sliding_window_view(u8, fmt.PREFIX_SIZE)
     rows = np.zeros(len(slots), dtype=fmt.RECORD_DTYPE)
-    rows["offset"] = off
-    rows["size"] = dsize - head
-    rows["head_kind"] = head | (pre["kind"].astype(np.int64) << fmt.KIND_SHIFT)
+    for at in range(0, len(slots), ROWS_CHUNK):
+        part = slots[at:at + ROWS_CHUNK]
+        off = part["offset"].astype(np.int64)
+        dsize = part["size"].astype(np.int64)
+        if (dsize < fmt.PREFIX_SIZE).any():
+            return None
+        pre = windows[off].view(_PREFIX_DTYPE).ravel()
+        head = pre["head"].astype(np.int64)
+        if (pre["magic"] != fmt.MAGIC).any() or (pre["kind"] > fmt.KIND_TOMBSTONE).any() \
+                or (pre["version"] > fmt.RECORD_VERSION).any() or (head > dsize).any() \
+                or (head < fmt.PREFIX_SIZE + pre["layout_len"].astype(np.int64) + pre["meta_len"]).any() \
+                or (head > fmt.MAX_HEAD).any():
+            return None
+        out = rows[at:at + ROWS_CHUNK]
+        out["offset"] = off
+        out["size"] = dsize - head
+        out["head_kind"] = head | (pre["kind"].astype(np.int64) << fmt.KIND_SHIFT)
     return rows
 
 
@@ -143,11 +158,12 @@ def scan_env(env: lmdb.Environment, path: Path,
     return rows
 
 
-def written_rows(env: lmdb.Environment, path: Path, head_kind: np.ndarray) -> np.ndarray:
+def written_rows(env: lmdb.Environment, path: Path, head_kind: np.ndarray, fd: int | None = None) -> np.ndarray:
     """Record rows of a shard just written by a caller that knows every record's head and kind
     (`head_kind`, in slot order): like scan_env, but only each value's place in LMDB's map is
-    learned, not its header (a compaction writes tens of thousands of records a second)."""
-    rows = rows_from_pages(path)
+    learned, not its header (a compaction writes tens of thousands of records a second).
+    fd: the file open for writing, read through it (its path may be a /proc/self/fd link)."""
+    rows = rows_from_pages(path) if fd is None else rows_from_fd(fd)
     if rows is not None and np.array_equal(rows["head_kind"], head_kind):
         return rows
     try:

@@ -85,7 +85,7 @@ class ShardBuilder:
         """(record rows, file size) of the complete, synced file."""
         self._commit()
         hk = np.concatenate(self._head_kind) if self._head_kind else np.zeros(0, np.uint32)
-        rows = written_rows(self._env, self._via, hk)
+        rows = written_rows(self._env, self._via, hk, self._fd)
         self._env.close()
         self._env = None
         assert self._fd is not None

@@ -216,7 +216,7 @@ class Writer:
         kb = fmt.check_key(key)
         skey = kb.decode("utf-8")
         layout: list
-        if label is None and type(value) in (bytes, bytearray):  # the same bytes, a few us sooner
+        if label is None and raw_batch.raw_values([value]):  # the same bytes, a few us sooner
             rec, layout = raw_batch.encode_raw_records([kb], [value])[0], []
         else:
             rec, label, layout = fmt.encode_record(skey, value, label)
