@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -84,24 +85,32 @@ def raw_chunk_values(chunk: Sequence[tuple[Any, ...]], keys: Sequence[str]) -> l
     return values if raw_values(values) else None
 
 
+@lru_cache(maxsize=MAX_KEY_BYTES + 1)
+def _fixed_parts(n: int) -> tuple[bytes, bytes, int, int, int]:
+    """What a key length fixes in a raw record: (meta's head, the padding, the crc32 of the
+    prefix without its crc field, head, meta length); a pure function of n, computed once."""
+    meta_len = len(_META_HEAD) + len(_str_header(n)) + n
+    head = (PREFIX_SIZE + meta_len + ALIGN - 1) & ~(ALIGN - 1)
+    crc0 = crc32(PREFIX.pack(MAGIC, KIND_RAW, RECORD_VERSION, 0, head, 0, meta_len, 0)[:PREFIX_SIZE - 4])
+    return _META_HEAD + _str_header(n), _ZEROS[:head - PREFIX_SIZE - meta_len], crc0, head, meta_len
+
+
 def encode_raw_records(kbs: Sequence[bytes], values: Sequence[bytes | bytearray]) -> list[bytes]:
     """The records of raw values without labels, byte for byte as record.encode_record makes them.
 
-    Payloads must be shorter than 4 GiB (the writer's shard size bounds them far below)."""
-    shared: dict[int, tuple[bytes, bytes, int, int, int]] = {}  # key length -> the parts it fixes
+    Payloads must be at most MAX_PAYLOAD bytes (raw_values checks)."""
     out: list[bytes] = []
     append = out.append
     pack = PREFIX.pack
+    parts = _fixed_parts
     for kb, v in zip(kbs, values):
-        n = len(kb)
-        s = shared.get(n)
-        if s is None:
-            meta_len = len(_META_HEAD) + len(_str_header(n)) + n
-            head = (PREFIX_SIZE + meta_len + ALIGN - 1) & ~(ALIGN - 1)
-            crc0 = crc32(pack(MAGIC, KIND_RAW, RECORD_VERSION, 0, head, 0, meta_len, 0)[:PREFIX_SIZE - 4])
-            s = shared[n] = (_META_HEAD + _str_header(n), _ZEROS[:head - PREFIX_SIZE - meta_len], crc0, head, meta_len)
-        meta_head, pad, crc0, head, meta_len = s
+        meta_head, pad, crc0, head, meta_len = parts(len(kb))
         rest = meta_head + kb + pad
         append(b"".join((pack(MAGIC, KIND_RAW, RECORD_VERSION, 0, head, 0, meta_len, crc32(v, crc32(rest, crc0))),
                          rest, v)))
     return out
+
+
+def is_raw_value(value: Any) -> bool:
+    """raw_values for one value."""
+    return type(value) in (bytes, bytearray) and len(value) <= MAX_PAYLOAD

@@ -20,8 +20,7 @@ The writer reads the committed generation only through its Reader's public metho
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from itertools import accumulate, islice, repeat
 from pathlib import Path
 from typing import Any
@@ -216,7 +215,7 @@ class Writer:
         kb = fmt.check_key(key)
         skey = kb.decode("utf-8")
         layout: list
-        if label is None and raw_batch.raw_values([value]):  # the same bytes, a few us sooner
+        if label is None and raw_batch.is_raw_value(value):  # the same bytes, a few us sooner
             rec, layout = raw_batch.encode_raw_records([kb], [value])[0], []
         else:
             rec, label, layout = fmt.encode_record(skey, value, label)
@@ -262,9 +261,11 @@ class Writer:
         while i < len(recs):
             if self.tail.full_for(needs[i]):
                 self._seal()
-            with self._tail_failing():
+            try:
                 slot, j = self.tail.append_run(recs, ends, i)
-                self.pending.dirty = True
+            except (OSError, lmdb.Error) as e:
+                raise self._tail_failed(e) from None
+            self.pending.dirty = True
             self.pending.add_many(keys[i:j], self.tail.id, slot, repeat(fmt.NO_LABEL, j - i), hashes[i:j])
             i = j
         return True
@@ -322,23 +323,20 @@ class Writer:
             )
         if self.tail.full_for(need):
             self._seal()
-        with self._tail_failing():
+        try:
             slot = self.tail.append(rec, need)
-            self.pending.dirty = True
+        except (OSError, lmdb.Error) as e:
+            raise self._tail_failed(e) from None
+        self.pending.dirty = True
         return slot
 
-    @contextmanager
-    def _tail_failing(self) -> Iterator[None]:
-        """A failure inside (writing the tail) discards every write since the last commit and
-        raises CommitError."""
-        try:
-            yield
-        except lmdb.MapFullError:
-            self._fail()
-            raise CommitError(f"{self.root}: the tail shard's map is full; commit more often or lower --shard-size") from None
-        except (OSError, lmdb.Error) as e:  # e.g. the disk filled while LMDB spilled dirty pages
-            self._fail()
-            raise CommitError(failure_message(self.root, self.m.generation, e)) from None
+    def _tail_failed(self, e: BaseException) -> CommitError:
+        """Discard every write since the last commit after a failed tail write (e.g. the disk
+        filled while LMDB spilled dirty pages); the error to raise."""
+        self._fail()
+        if isinstance(e, lmdb.MapFullError):
+            return CommitError(f"{self.root}: the tail shard's map is full; commit more often or lower --shard-size")
+        return CommitError(failure_message(self.root, self.m.generation, e))
 
     def _seal(self) -> None:
         """Turn the full tail into an immutable shard; later records go to a new tail.
