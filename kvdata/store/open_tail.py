@@ -114,8 +114,7 @@ class OpenTail:
         """Seal this tail in place (sealing.seal, its sha256 on a thread) and open the next one;
         this tail's env stays open in `sealed_envs` until the commit."""
         self.sync()
-        entry, records, hasher = seal(self.env, self.shards_dir, self.id, compress, incarnation, hash_later=True)
-        assert hasher is not None  # hashed while the rows are read and the next tail fills
+        entry, records, hasher = seal(self.env, self.shards_dir, self.id, compress, incarnation)
         try:
             env = open_tail_for_write(self.shards_dir / names.tail_name(self.id + 1, incarnation), self.shard_size)
         except BaseException:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .._util.fsutil import fsync_dir, fsync_file, unlink_quiet
 from ..format import ShardEntry, ZstCopy, names
-from ..format.codec import compress_file, file_sha256, mapped_file_sha256, zst_copy
+from ..format.codec import compress_file, mapped_file_sha256, zst_copy
 from .shard_rows import scan, scan_env
 
 NO_LINK_ERRNOS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS)
@@ -55,7 +55,7 @@ class Hasher:
 
 
 def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: bool = False,
-         incarnation: int = 0, *, hash_later: bool = False) -> tuple[ShardEntry, np.ndarray, Hasher | None]:
+         incarnation: int = 0) -> tuple[ShardEntry, np.ndarray, Hasher]:
     """Seal the tail in place: return (manifest entry, record rows, hasher) of shard `shard_id`.
 
     The tail is append-only and already a complete LMDB file, so it is not copied: once its
@@ -66,10 +66,9 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
     Where the filesystem refuses hard links (NO_LINK_ERRNOS) the tail is copied compacted to
     `NNNNNN.mdb.tmp` instead and renamed once complete, as before issue 12.
     No zstd copy is made unless `compress` (cold copies are made when needed: `kvdata push`).
-    hash_later: the entry's sha256 is left empty (its bytes are the file's size) and the file
-    is hashed on a thread (the Hasher returned; else None), started as soon as the file has its
-    name -- before the record rows are read, so the two overlap; the caller waits for it before
-    any manifest names the shard.
+    The entry's sha256 is left empty (its bytes are the file's size): the file is hashed on a
+    thread (the Hasher returned), started as soon as the file has its name -- before the record
+    rows are read, so the two overlap; the caller waits for it before any manifest names the shard.
     """
     dest = shards_dir / names.shard_name(shard_id, incarnation)
     tail = shards_dir / names.tail_name(shard_id, incarnation)
@@ -88,15 +87,14 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
     try:
         if src == dest:
             fsync_dir(shards_dir)
-            if hash_later:
-                hasher = Hasher(dest)
+            hasher = Hasher(dest)
             records = scan_env(tail_env, dest)
         else:
             unlink_quiet(tmp)
             tail_env.copy(str(tmp), compact=True)
             fsync_file(tmp)
             records = scan(tmp)
-        size, sha = (os.stat(src).st_size, "") if hash_later else file_sha256(src)
+        size = os.stat(src).st_size
         zst = write_cold_copy(src, dest, records) if compress else None
         if src == tmp:
             os.replace(tmp, dest)
@@ -104,7 +102,7 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
             fsync_dir(shards_dir)
         elif compress:
             fsync_dir(shards_dir)
-        if hash_later and hasher is None:
+        if hasher is None:
             hasher = Hasher(dest)
     except BaseException:
         if src == dest:  # our link (or our copy, renamed): nothing else ever had the name
@@ -114,7 +112,7 @@ def seal(tail_env: lmdb.Environment, shards_dir: Path, shard_id: int, compress: 
         if hasher is not None:
             hasher.wait()  # its result is never read; nothing of ours reads the file after this
         raise
-    return ShardEntry(shard_id, dest.name, int(len(records)), size, sha, zst), records, hasher
+    return ShardEntry(shard_id, dest.name, int(len(records)), size, "", zst), records, hasher
 
 
 def write_cold_copy(src: Path, dest: Path, records: np.ndarray) -> ZstCopy:

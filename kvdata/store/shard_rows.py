@@ -107,10 +107,6 @@ def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], No
     determined (no /proc), rows carry UNKNOWN_OFFSET and reads go through LMDB.
     `on_record(slot, header, value)` sees each record (for a rebuild of the index).
     """
-    if on_record is None:
-        rows = rows_from_pages(path)
-        if rows is not None:
-            return rows
     env = open_sealed_lmdb(path)
     try:
         return scan_env(env, path, on_record)
@@ -121,7 +117,8 @@ def scan(path: Path, on_record: Callable[[int, fmt.RecordHeader, memoryview], No
 def scan_env(env: lmdb.Environment, path: Path,
               on_record: Callable[[int, fmt.RecordHeader, memoryview], None] | None = None) -> np.ndarray:
     """scan() through an open env of the file at `path` (a sealing tail's own env, a compacted
-    shard's writer)."""
+    shard's writer): without on_record, from the file's pages (rows_from_pages) unless they are
+    in doubt."""
     if on_record is None:
         rows = rows_from_pages(path)
         if rows is not None:
