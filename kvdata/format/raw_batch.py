@@ -95,6 +95,11 @@ def _fixed_parts(n: int) -> tuple[bytes, bytes, int, int, int]:
     return _META_HEAD + _str_header(n), _ZEROS[:head - PREFIX_SIZE - meta_len], crc0, head, meta_len
 
 
+def record_size(key_bytes: int, value_bytes: int) -> int:
+    """The bytes of a raw record of a key and a value of these sizes (encode_raw_records's)."""
+    return _fixed_parts(key_bytes)[3] + value_bytes
+
+
 def encode_raw_records(kbs: Sequence[bytes], values: Sequence[bytes | bytearray]) -> list[bytes]:
     """The records of raw values without labels, byte for byte as record.encode_record makes them.
 

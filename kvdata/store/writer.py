@@ -54,6 +54,7 @@ from .write_errors import disk_full, failure_message, full_at_open
 
 DEFAULT_SHARD_SIZE = 256_000_000
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
+PUT_BUFFER_BYTES = 4 << 20  # raw puts gathered (at most PUT_CHUNK) before they are written as one chunk
 SEAL_ON_CLOSE_MIN = 64 << 10  # a "w" writer's close seals the tail unless the whole dataset is smaller
 
 class Writer:
@@ -162,6 +163,8 @@ class Writer:
             reason = (str(e).splitlines() or [""])[0].removeprefix(f"{tail_path}: ") or type(e).__name__
             raise CorruptDatasetError(f"{tail_path}: cannot open the tail shard ({reason}); run `kvdata reindex`") from None
         self.pending = Pending()
+        self._put_buffer: list[tuple[Any, ...]] = []  # (key, bytes) of raw puts not yet written (put's docstring)
+        self._put_buffer_bytes = 0
         self.schema = dict(m.fields)
         self._last_schema: dict[str, Any] | None = None
         self.classes = list(m.classes)
@@ -211,9 +214,26 @@ class Writer:
         self.extra[name] = fmt.checked_extra(self.m, name, value)
 
     def put(self, key: str, value: Any, label: int | None) -> None:
+        """Write one record (visible to readers at the next commit).
+
+        A raw `bytes` value without a label is checked now (its key, its size) and gathered with
+        the next ones, up to PUT_CHUNK records or PUT_BUFFER_BYTES, then written as one put_many
+        chunk (raw_batch): a loop of small puts costs what put_many costs, not an LMDB call and
+        an index update each. Nothing reads pending writes before the commit, and every other
+        write (a put of another kind, delete, put_many, commit, close) writes the gathered ones
+        first, so the dataset is the same as one put at a time. A failure of the disk while
+        they are written is raised by the call that writes them, and discards the pending
+        writes as any tail failure does."""
         self._check()
         kb = fmt.check_key(key)
-        skey = kb.decode("utf-8")
+        skey = key if type(key) is str else kb.decode("utf-8")
+        if label is None and type(value) is bytes and self._fits_raw(len(kb), len(value)):
+            self._put_buffer.append((skey, value))
+            self._put_buffer_bytes += len(value)
+            if len(self._put_buffer) >= PUT_CHUNK or self._put_buffer_bytes >= PUT_BUFFER_BYTES:
+                self.flush_puts()
+            return
+        self.flush_puts()
         layout: list
         if label is None and raw_batch.is_raw_value(value):  # the same bytes, a few us sooner
             rec, layout = raw_batch.encode_raw_records([kb], [value])[0], []
@@ -222,8 +242,21 @@ class Writer:
         h = fmt.key_hash(kb)
         self._put_record(skey, h, rec, label, layout, self._committed_pos(skey, h))
 
+    def _fits_raw(self, key_bytes: int, value_bytes: int) -> bool:
+        """Whether a raw record of these sizes is a valid one that fits in a shard (else put
+        takes the record-at-a-time path, which raises the error naming it)."""
+        return (value_bytes <= raw_batch.MAX_PAYLOAD
+                and raw_batch.record_size(key_bytes, value_bytes) + RECORD_OVERHEAD <= self.shard_size)
+
+    def flush_puts(self) -> None:
+        """Write the raw puts put() gathered (as one put_many chunk)."""
+        if self._put_buffer:
+            chunk, self._put_buffer, self._put_buffer_bytes = self._put_buffer, [], 0
+            self._put_chunk(chunk)
+
     def put_many(self, pairs: Iterable[tuple[Any, ...]]) -> int:
         self._check()
+        self.flush_puts()
         n = 0
         items = iter(pairs)
         while chunk := list(islice(items, PUT_CHUNK)):
@@ -299,6 +332,7 @@ class Writer:
 
     def delete(self, key: str) -> None:
         self._check()
+        self.flush_puts()
         kb = fmt.check_key(key)
         skey = kb.decode("utf-8")
         p = self.pending
@@ -357,6 +391,7 @@ class Writer:
 
     def commit(self) -> int:
         self._check()
+        self.flush_puts()
         p = self.pending
         if p.seal_requested and self.tail.slots:
             self._seal()
@@ -422,11 +457,13 @@ class Writer:
         committed = False
         try:
             if commit and not self.failed:
+                self.flush_puts()
                 if self._seal_on_close and (self.tail.bytes >= SEAL_ON_CLOSE_MIN or self.m.shards or self.pending.sealed):
                     self.request_seal()  # read right away through the sealed (memory-map) path
                 self.commit()
                 committed = True
         finally:
+            self._put_buffer, self._put_buffer_bytes = [], 0
             self.tail.close(abort=True)
             self._wait_hashing()
             never_written = self._created and self.m.generation == 0 and not committed

@@ -133,6 +133,7 @@ def test_a_seal_that_fails_leaves_no_hash_thread_reading_the_file(tmp_path: Path
     with pytest.raises(CommitError, match="disk is full"):
         for i in range(200):
             s.put(f"k{i}", b"x" * 1000)
+        s.commit()  # puts of raw bytes are written a chunk at a time: at the latest here
     assert not [t for t in threading.enumerate() if t.name == "kvdata-seal-sha256"]
     s.close()
 
