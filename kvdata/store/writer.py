@@ -165,6 +165,7 @@ class Writer:
         self.pending = Pending()
         self._put_buffer: list[tuple[Any, ...]] = []  # (key, bytes) of raw puts not yet written (put's docstring)
         self._put_buffer_bytes = 0
+        self._raw_rooms: dict[int, int] = {}  # key length -> _raw_room (the shard size is fixed by now)
         self.schema = dict(m.fields)
         self._last_schema: dict[str, Any] | None = None
         self.classes = list(m.classes)
@@ -225,14 +226,18 @@ class Writer:
         they are written is raised by the call that writes them, and discards the pending
         writes as any tail failure does."""
         self._check()
-        kb = fmt.check_key(key)
-        skey = key if type(key) is str else kb.decode("utf-8")
-        if label is None and type(value) is bytes and self._fits_raw(len(kb), len(value)):
+        if type(key) is str and key.isascii() and key and "\x00" not in key:
+            skey, key_bytes = key, len(key)  # check_key's rules hold but the length (_raw_room's -1)
+        else:
+            kb = fmt.check_key(key)
+            skey, key_bytes = (key if type(key) is str else kb.decode("utf-8")), len(kb)
+        if label is None and type(value) is bytes and len(value) <= self._raw_room(key_bytes):
             self._put_buffer.append((skey, value))
             self._put_buffer_bytes += len(value)
             if len(self._put_buffer) >= PUT_CHUNK or self._put_buffer_bytes >= PUT_BUFFER_BYTES:
                 self.flush_puts()
             return
+        kb = fmt.check_key(key)
         self.flush_puts()
         layout: list
         if label is None and raw_batch.is_raw_value(value):  # the same bytes, a few us sooner
@@ -242,11 +247,18 @@ class Writer:
         h = fmt.key_hash(kb)
         self._put_record(skey, h, rec, label, layout, self._committed_pos(skey, h))
 
-    def _fits_raw(self, key_bytes: int, value_bytes: int) -> bool:
-        """Whether a raw record of these sizes is a valid one that fits in a shard (else put
-        takes the record-at-a-time path, which raises the error naming it)."""
-        return (value_bytes <= raw_batch.MAX_PAYLOAD
-                and raw_batch.record_size(key_bytes, value_bytes) + RECORD_OVERHEAD <= self.shard_size)
+    def _raw_room(self, key_bytes: int) -> int:
+        """The largest raw value a key of this many UTF-8 bytes can have (a valid record that fits
+        in a shard; larger ones take the record-at-a-time path, which raises the error naming
+        them); -1 for a key longer than the limit."""
+        room = self._raw_rooms.get(key_bytes)
+        if room is None:
+            if key_bytes > fmt.MAX_KEY_BYTES:
+                room = -1
+            else:
+                room = min(raw_batch.MAX_PAYLOAD, self.shard_size - RECORD_OVERHEAD - raw_batch.record_size(key_bytes, 0))
+            self._raw_rooms[key_bytes] = room
+        return room
 
     def flush_puts(self) -> None:
         """Write the raw puts put() gathered (as one put_many chunk)."""

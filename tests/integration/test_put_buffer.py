@@ -91,12 +91,21 @@ def test_bad_input_fails_its_own_put_and_loses_nothing_gathered(tmp_path: Path) 
             s.put("", b"x")
         with pytest.raises(InvalidKeyError):
             s.put("a\x00b", b"x")
+        with pytest.raises(InvalidKeyError, match="4097 bytes"):
+            s.put("k" * 4097, b"x")
+        with pytest.raises(InvalidKeyError, match="UTF-8"):
+            s.put("\udcff", b"x")
         with pytest.raises(RecordTooLargeError, match="'big'"):
             s.put("big", b"x" * 70_000)
+        with pytest.raises(RecordTooLargeError, match="'k{4000}"):
+            s.put("k" * 4000, b"x" * 62_000)  # fits with a short key, not with this one
         s.put("k10", b"v10")
+        s.put(b"k11", b"v11")  # a bytes key, a non-ASCII key: gathered the same
+        s.put("ключ", b"v12")
     with kvdata.open(p) as s:
-        assert list(s.keys()) == [f"k{i}" for i in range(11)]
-        assert [bytes(s[f"k{i}"]) for i in range(11)] == [b"v%d" % i for i in range(11)]
+        assert list(s.keys()) == [f"k{i}" for i in range(12)] + ["ключ"]
+        assert [bytes(s[f"k{i}"]) for i in range(12)] == [b"v%d" % i for i in range(12)]
+        assert bytes(s["ключ"]) == b"v12"
 
 
 def test_an_abort_writes_none_of_the_gathered_puts(tmp_path: Path) -> None:
