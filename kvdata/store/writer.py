@@ -261,10 +261,23 @@ class Writer:
         return room
 
     def flush_puts(self) -> None:
-        """Write the raw puts put() gathered (as one put_many chunk)."""
+        """Write the raw puts put() gathered (as one put_many chunk).
+
+        A tail failure discards every pending write and says so (CommitError). Anything else
+        raised here (a damaged committed record met while looking the keys up, an interrupt) may
+        leave some of the gathered puts written and the rest not, after the puts that gave them
+        returned: the pending writes are discarded and the writer fails, so nothing of this
+        session can be committed without them."""
         if self._put_buffer:
             chunk, self._put_buffer, self._put_buffer_bytes = self._put_buffer, [], 0
-            self._put_chunk(chunk)
+            try:
+                self._put_chunk(chunk)
+            except CommitError:
+                raise
+            except BaseException:
+                self._fail()
+                self.failed = True
+                raise
 
     def put_many(self, pairs: Iterable[tuple[Any, ...]]) -> int:
         self._check()

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import kvdata
-from kvdata.errors import InvalidKeyError, RecordTooLargeError
+from kvdata.errors import ClosedError, CorruptDatasetError, InvalidKeyError, RecordTooLargeError
 from kvdata.reader.open import verify
+from kvdata.store import record_metas
 from kvdata.store import writer as writer_mod
 
 
@@ -134,4 +135,32 @@ def test_a_long_put_loop_is_written_in_chunks_and_reads_back(tmp_path: Path) -> 
     with kvdata.open(p) as s:
         assert list(s.keys()) == [k for k, _v in small + large]
         assert all(bytes(s[k]) == v for k, v in small + large)
+    assert verify(p)["ok"]
+
+
+def test_a_failure_while_gathered_puts_are_written_commits_none_of_them(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a tail failure (those discard the pending writes and say so): the lookup of the
+    gathered keys fails (a damaged committed record; here injected). The puts that gave them had
+    returned, so the writer fails rather than commit a session without them."""
+    p = tmp_path / "ds.kv"
+    with kvdata.open(p, "a") as s:
+        s.put("kept", b"1")
+
+    def damaged(*_a: Any, **_k: Any) -> Any:
+        raise CorruptDatasetError(f"{p}: record 0 is damaged")
+
+    s = kvdata.open(p, "a")
+    for i in range(10):
+        s.put(f"k{i}", b"x")
+    monkeypatch.setattr(record_metas, "find_many", damaged)
+    with pytest.raises(CorruptDatasetError, match="damaged"):
+        s.commit()
+    with pytest.raises(ClosedError, match="open the dataset again"):
+        s.put("after", b"y")
+    with pytest.raises(ClosedError):
+        s.commit()
+    s.close()
+    with kvdata.open(p) as r:
+        assert list(r.keys()) == ["kept"]
     assert verify(p)["ok"]
