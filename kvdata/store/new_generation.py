@@ -1,4 +1,5 @@
-"""A commit's new generation: the index files of what a Writer's Pending adds, then the manifest.
+"""A commit's new generation: the index files of what a Writer's Pending adds, then the manifest;
+and the empty generation a new or rewritten dataset starts from (start_empty).
 
 Commit steps 2 and 3 (store.writer): the new sample rows, record rows and key runs go to files
 no reader of the old generation looks at (appended past the rows the old manifest counts, or
@@ -15,9 +16,13 @@ import numpy as np
 
 from .. import format as fmt
 from .._util.fsutil import atomic_write, fsync_dir
+from ..errors import CorruptDatasetError, NotADatasetError
 from ..format import IndexFiles, KeyRunEntry, Manifest, TailEntry, names
 from . import index as ix
+from .generation import read_manifest
 from .pending import Pending
+from .recovery import settle
+from .retire import Journal, old_files, write_journal
 
 
 def write_generation(root: Path, m: Manifest, pending: Pending, idx: ix.Index, tail: TailEntry,
@@ -77,3 +82,20 @@ def write_generation(root: Path, m: Manifest, pending: Pending, idx: ix.Index, t
     )
     atomic_write(root / names.MANIFEST, fmt.dump_manifest(new_m))
     return new_m, stale
+
+
+def start_empty(root: Path, shard_size: int, compress: bool) -> None:
+    """A new, empty generation. Written again from empty ("w"), the dataset starts a new
+    incarnation, so none of its new file names can be one an old reader opens; the old
+    generation's files go as a compaction's do (store.retire): a journal written first
+    names them, and they are removed once no reader pins them."""
+    generation = 0
+    try:
+        old = read_manifest(root)
+    except (NotADatasetError, CorruptDatasetError):
+        pass
+    else:
+        generation = old.generation + 1
+        settle(root, old)  # a killed compaction to this incarnation: its files go first
+        write_journal(root, Journal(generation, old.generation, old.incarnation, old_files(old)))
+    atomic_write(root / names.MANIFEST, fmt.dump_manifest(fmt.new_manifest(shard_size, compress, generation)))

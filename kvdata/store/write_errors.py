@@ -42,3 +42,11 @@ def failure_message(root: Path, generation: int, e: BaseException) -> str:
         why = str(e)
     return (f"{root}: commit failed ({why}); the dataset is unchanged at generation {generation} and the "
             "writes since the last commit were discarded; free space and write them again")
+
+
+def another_writer(root: Path, on_disk: int, started: int) -> str:
+    """The message when another writer got in while this one wrote (the manifest is at
+    generation `on_disk`, this writer started from `started`)."""
+    return (f"{root}: another writer opened or committed this dataset while this one was writing "
+            f"(manifest at generation {on_disk}, this writer started from {started}; is it on NFS, "
+            "where file locks may not exclude?); nothing was committed; open it again and write once at a time")

@@ -29,7 +29,7 @@ import lmdb
 import numpy as np
 
 from .. import format as fmt
-from .._util.fsutil import atomic_write, unlink_quiet
+from .._util.fsutil import unlink_quiet
 from .._util.sizes import parse_size
 from ..errors import (
     ClosedError,
@@ -41,20 +41,19 @@ from ..errors import (
 )
 from ..format import Manifest, TailEntry, names, raw_batch
 from . import record_metas
+from .gathered_puts import GatheredPuts
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
-from .new_generation import write_generation
+from .new_generation import start_empty, write_generation
 from .open_tail import RECORD_OVERHEAD, OpenTail
 from .pending import Pending
 from .reader import Reader
 from .recovery import LeftBehind, holds_data, settle, tidy
-from .retire import Journal, old_files, write_journal
 from .shards import ENVS
-from .write_errors import disk_full, failure_message, full_at_open
+from .write_errors import another_writer, disk_full, failure_message, full_at_open
 
 DEFAULT_SHARD_SIZE = 256_000_000
 PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
-PUT_BUFFER_BYTES = 4 << 20  # raw puts gathered (at most PUT_CHUNK) before they are written as one chunk
 SEAL_ON_CLOSE_MIN = 64 << 10  # a "w" writer's close seals the tail unless the whole dataset is smaller
 
 class Writer:
@@ -100,7 +99,7 @@ class Writer:
                                           f"run `kvdata reindex {root}` to rebuild it before writing")
             if reset or not (root / names.MANIFEST).exists():
                 self._created = fresh_dir and not reset
-                self._start_empty(requested or DEFAULT_SHARD_SIZE, compress)
+                start_empty(self.root, requested or DEFAULT_SHARD_SIZE, compress)
             self._recover(shard_size=requested)
             if requested is not None and requested != self.m.shard_size:
                 self.m = self.m.replace(shard_size=requested)  # applies to shards sealed from now on
@@ -116,22 +115,6 @@ class Writer:
         return self.root / names.SHARDS_DIR
 
     # ------------------------------------------------------------ setup and recovery
-
-    def _start_empty(self, shard_size: int, compress: bool) -> None:
-        """A new, empty generation. Written again from empty ("w"), the dataset starts a new
-        incarnation, so none of its new file names can be one an old reader opens; the old
-        generation's files go as a compaction's do (store.retire): a journal written first
-        names them, and they are removed once no reader pins them."""
-        generation = 0
-        try:
-            old = read_manifest(self.root)
-        except (NotADatasetError, CorruptDatasetError):
-            pass
-        else:
-            generation = old.generation + 1
-            settle(self.root, old)  # a killed compaction to this incarnation: its files go first
-            write_journal(self.root, Journal(generation, old.generation, old.incarnation, old_files(old)))
-        atomic_write(self.root / names.MANIFEST, fmt.dump_manifest(fmt.new_manifest(shard_size, compress, generation)))
 
     def _recover(self, shard_size: int | None = None) -> None:
         """Bring files back to exactly what manifest.json says and reset pending state.
@@ -163,9 +146,7 @@ class Writer:
             reason = (str(e).splitlines() or [""])[0].removeprefix(f"{tail_path}: ") or type(e).__name__
             raise CorruptDatasetError(f"{tail_path}: cannot open the tail shard ({reason}); run `kvdata reindex`") from None
         self.pending = Pending()
-        self._put_buffer: list[tuple[Any, ...]] = []  # (key, bytes) of raw puts not yet written (put's docstring)
-        self._put_buffer_bytes = 0
-        self._raw_rooms: dict[int, int] = {}  # key length -> _raw_room (the shard size is fixed by now)
+        self._gathered = GatheredPuts(self.shard_size, RECORD_OVERHEAD)  # raw puts not yet written
         self.schema = dict(m.fields)
         self._last_schema: dict[str, Any] | None = None
         self.classes = list(m.classes)
@@ -215,29 +196,16 @@ class Writer:
         self.extra[name] = fmt.checked_extra(self.m, name, value)
 
     def put(self, key: str, value: Any, label: int | None) -> None:
-        """Write one record (visible to readers at the next commit).
-
-        A raw `bytes` value without a label is checked now (its key, its size) and gathered with
-        the next ones, up to PUT_CHUNK records or PUT_BUFFER_BYTES, then written as one put_many
-        chunk (raw_batch): a loop of small puts costs what put_many costs, not an LMDB call and
-        an index update each. Nothing reads pending writes before the commit, and every other
-        write (a put of another kind, delete, put_many, commit, close) writes the gathered ones
-        first, so the dataset is the same as one put at a time. A failure of the disk while
-        they are written is raised by the call that writes them, and discards the pending
-        writes as any tail failure does."""
+        """Write one record (visible at the next commit). A raw `bytes` value without a label is
+        checked now and gathered (store.gathered_puts), then written with the next ones as one
+        put_many chunk: a disk failure is raised by the call that writes them."""
         self._check()
-        if type(key) is str and key.isascii() and key and "\x00" not in key:
-            skey, key_bytes = key, len(key)  # check_key's rules hold but the length (_raw_room's -1)
-        else:
-            kb = fmt.check_key(key)
-            skey, key_bytes = (key if type(key) is str else kb.decode("utf-8")), len(kb)
-        if label is None and type(value) is bytes and len(value) <= self._raw_room(key_bytes):
-            self._put_buffer.append((skey, value))
-            self._put_buffer_bytes += len(value)
-            if len(self._put_buffer) >= PUT_CHUNK or self._put_buffer_bytes >= PUT_BUFFER_BYTES:
+        if label is None and self._gathered.take(key, value):
+            if self._gathered.full:
                 self.flush_puts()
             return
         kb = fmt.check_key(key)
+        skey = kb.decode("utf-8")
         self.flush_puts()
         layout: list
         if label is None and raw_batch.is_raw_value(value):  # the same bytes, a few us sooner
@@ -247,31 +215,14 @@ class Writer:
         h = fmt.key_hash(kb)
         self._put_record(skey, h, rec, label, layout, self._committed_pos(skey, h))
 
-    def _raw_room(self, key_bytes: int) -> int:
-        """The largest raw value a key of this many UTF-8 bytes can have (a valid record that fits
-        in a shard; larger ones take the record-at-a-time path, which raises the error naming
-        them); -1 for a key longer than the limit."""
-        room = self._raw_rooms.get(key_bytes)
-        if room is None:
-            if key_bytes > fmt.MAX_KEY_BYTES:
-                room = -1
-            else:
-                room = min(raw_batch.MAX_PAYLOAD, self.shard_size - RECORD_OVERHEAD - raw_batch.record_size(key_bytes, 0))
-            self._raw_rooms[key_bytes] = room
-        return room
-
     def flush_puts(self) -> None:
-        """Write the raw puts put() gathered (as one put_many chunk).
-
-        A tail failure discards every pending write and says so (CommitError). Anything else
-        raised here (a damaged committed record met while looking the keys up, an interrupt) may
-        leave some of the gathered puts written and the rest not, after the puts that gave them
-        returned: the pending writes are discarded and the writer fails, so nothing of this
-        session can be committed without them."""
-        if self._put_buffer:
-            chunk, self._put_buffer, self._put_buffer_bytes = self._put_buffer, [], 0
+        """Write the gathered puts as one put_many chunk. A tail failure discards the pending
+        writes and says so (CommitError); anything else (a damaged committed record met in the
+        key lookup, an interrupt) may leave some written and not the rest, after their puts
+        returned: the pending writes are discarded and the writer fails."""
+        if self._gathered.items:
             try:
-                self._put_chunk(chunk)
+                self._put_chunk(self._gathered.drain())
             except CommitError:
                 raise
             except BaseException:
@@ -455,11 +406,7 @@ class Writer:
         on_disk = read_manifest(self.root).generation
         if not self._lock.still_ours() or on_disk != self.m.generation:
             self.failed = True
-            raise CommitError(
-                f"{self.root}: another writer opened or committed this dataset while this one was writing "
-                f"(manifest at generation {on_disk}, this writer started from {self.m.generation}; is it on NFS, "
-                "where file locks may not exclude?); nothing was committed; open it again and write once at a time"
-            )
+            raise CommitError(another_writer(self.root, on_disk, self.m.generation))
 
     def _fail(self) -> None:
         """Discard pending writes and return the files to the last committed generation."""
@@ -488,7 +435,7 @@ class Writer:
                 self.commit()
                 committed = True
         finally:
-            self._put_buffer, self._put_buffer_bytes = [], 0
+            self._gathered.drain()
             self.tail.close(abort=True)
             self._wait_hashing()
             never_written = self._created and self.m.generation == 0 and not committed

@@ -1,4 +1,4 @@
-"""put() of raw bytes gathers records and writes them a chunk at a time (Writer.put): the
+"""put() of raw bytes gathers records and writes them a chunk at a time (store.gathered_puts): the
 dataset is the same as one put at a time whatever writes are mixed in, bad input still fails
 the put that gave it, and nothing gathered outlives an abort."""
 
@@ -14,7 +14,7 @@ import kvdata
 from kvdata.errors import ClosedError, CorruptDatasetError, InvalidKeyError, RecordTooLargeError
 from kvdata.reader.open import verify
 from kvdata.store import record_metas
-from kvdata.store import writer as writer_mod
+from kvdata.store import gathered_puts
 
 
 def _state(p: Path) -> tuple[list[str], list[Any], list[int]]:
@@ -126,8 +126,8 @@ def test_an_abort_writes_none_of_the_gathered_puts(tmp_path: Path) -> None:
 def test_a_long_put_loop_is_written_in_chunks_and_reads_back(tmp_path: Path) -> None:
     """More puts than one chunk holds, and values large enough to reach the byte limit first."""
     p = tmp_path / "ds.kv"
-    small = [(f"s{i:05d}", np.random.default_rng(i).bytes(100)) for i in range(writer_mod.PUT_CHUNK * 3 + 7)]
-    large = [(f"l{i:03d}", np.random.default_rng(i).bytes(300_000)) for i in range(30)]  # > PUT_BUFFER_BYTES
+    small = [(f"s{i:05d}", np.random.default_rng(i).bytes(100)) for i in range(gathered_puts.GATHER_RECORDS * 3 + 7)]
+    large = [(f"l{i:03d}", np.random.default_rng(i).bytes(300_000)) for i in range(30)]  # > gathered_puts.GATHER_BYTES
     with kvdata.open(p, "w", shard_size="4MB") as s:
         for k, v in small + large:
             s.put(k, v)
