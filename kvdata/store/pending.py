@@ -59,6 +59,13 @@ class Pending:
         self.new_hash.frombytes(np.ascontiguousarray(key_hashes, dtype=np.uint64).tobytes())
         self.new_alive.extend(b"\x01" * n)
 
+    def consistent(self) -> bool:
+        """Whether every new-sample column has a row per sample (an interrupt between the appends
+        of add, in a put that then raised KeyboardInterrupt, can leave one short)."""
+        n = len(self.new_slot)
+        return (len(self.new_shard) == len(self.new_label) == len(self.new_hash) == len(self.new_alive) == n
+                and (not self.new_keys or max(self.new_keys.values()) < n))
+
     def set_row(self, i: int, row: Row) -> None:
         self.new_shard[i], self.new_slot[i], self.new_label[i] = row
 

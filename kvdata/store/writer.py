@@ -20,13 +20,11 @@ The writer reads the committed generation only through its Reader's public metho
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterable
-from itertools import accumulate, islice, repeat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lmdb
-import numpy as np
 
 from .. import format as fmt
 from .._util.fsutil import unlink_quiet
@@ -39,25 +37,25 @@ from ..errors import (
     NotADatasetError,
     RecordTooLargeError,
 )
-from ..format import Manifest, TailEntry, names, raw_batch
-from . import record_metas
+from ..format import Manifest, TailEntry, names
 from .gathered_puts import GatheredPuts
 from .generation import Generation, load_generation, read_manifest
 from .lock import WriterLock
 from .new_generation import start_empty, write_generation
 from .open_tail import RECORD_OVERHEAD, OpenTail
 from .pending import Pending
+from .put_paths import PutPaths
 from .reader import Reader
 from .recovery import LeftBehind, holds_data, settle, tidy
 from .shards import ENVS
 from .write_errors import another_writer, disk_full, failure_message, full_at_open
 
 DEFAULT_SHARD_SIZE = 256_000_000
-PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
 SEAL_ON_CLOSE_MIN = 64 << 10  # a "w" writer's close seals the tail unless the whole dataset is smaller
 
-class Writer:
-    """The pending writes of one dataset opened with mode a/w, and its Reader."""
+class Writer(PutPaths):
+    """The pending writes of one dataset opened with mode a/w, and its Reader (put and put_many:
+    store.put_paths)."""
 
     m: Manifest           # the last committed generation's manifest
     compress: bool
@@ -90,6 +88,7 @@ class Writer:
         self.reader: Reader | None = None
         self.tail = OpenTail(root / names.SHARDS_DIR)
         self.failed = False
+        self._failed_why = ""  # said by the ClosedError of every later call
         try:
             (root / names.SHARDS_DIR).mkdir(exist_ok=True)
             (root / names.INDEX_DIR).mkdir(exist_ok=True)
@@ -181,7 +180,8 @@ class Writer:
 
     def _check(self) -> None:
         if self._lock is None or self.failed:
-            raise ClosedError(f"{self.root}: the writer is closed or failed; open the dataset again to write")
+            raise ClosedError(f"{self.root}: the writer is closed or failed{self._failed_why}; "
+                              "open the dataset again to write")
 
     # ------------------------------------------------------------ writes
 
@@ -194,90 +194,6 @@ class Writer:
     def set_extra(self, name: str, value: Any) -> None:
         """Keep plain-JSON `value` in the manifest under `name` from the next commit on (checked now)."""
         self.extra[name] = fmt.checked_extra(self.m, name, value)
-
-    def put(self, key: str, value: Any, label: int | None) -> None:
-        """Write one record (visible at the next commit). A raw `bytes` value without a label is
-        checked now and gathered (store.gathered_puts), then written with the next ones as one
-        put_many chunk: a disk failure is raised by the call that writes them."""
-        self._check()
-        if label is None and self._gathered.take(key, value):
-            if self._gathered.full:
-                self.flush_puts()
-            return
-        kb = fmt.check_key(key)
-        skey = kb.decode("utf-8")
-        self.flush_puts()
-        layout: list
-        if label is None and raw_batch.is_raw_value(value):  # the same bytes, a few us sooner
-            rec, layout = raw_batch.encode_raw_records([kb], [value])[0], []
-        else:
-            rec, label, layout = fmt.encode_record(skey, value, label)
-        h = fmt.key_hash(kb)
-        self._put_record(skey, h, rec, label, layout, self._committed_pos(skey, h))
-
-    def flush_puts(self) -> None:
-        """Write the gathered puts as one put_many chunk. A tail failure discards the pending
-        writes and says so (CommitError); anything else (a damaged committed record met in the
-        key lookup, an interrupt) may leave some written and not the rest, after their puts
-        returned: the pending writes are discarded and the writer fails."""
-        if self._gathered.items:
-            try:
-                self._put_chunk(self._gathered.drain())
-            except CommitError:
-                raise
-            except BaseException:
-                self._fail()
-                self.failed = True
-                raise
-
-    def put_many(self, pairs: Iterable[tuple[Any, ...]]) -> int:
-        self._check()
-        self.flush_puts()
-        n = 0
-        items = iter(pairs)
-        while chunk := list(islice(items, PUT_CHUNK)):
-            n += self._put_chunk(chunk)
-        return n
-
-    def _put_chunk(self, chunk: list[tuple[Any, ...]]) -> int:
-        keys, kbs = raw_batch.chunk_keys([item[0] for item in chunk])
-        hashes = raw_batch.key_hashes(kbs)
-        found = record_metas.find_many(self._committed(), keys, hashes)  # chunk position -> sample position
-        if not found and self._put_raw_batch(chunk, keys, kbs, hashes):
-            return len(chunk)
-        deleted = self.pending.deleted
-        for i, (item, skey, h) in enumerate(zip(chunk, keys, hashes.tolist())):
-            value = item[1]
-            label = item[2] if len(item) > 2 else None
-            rec, label, layout = fmt.encode_record(skey, value, label)
-            pos = found.get(i)
-            self._put_record(skey, h, rec, label, layout, None if pos is None or pos in deleted else pos)
-        return len(chunk)
-
-    def _put_raw_batch(self, chunk: list[tuple[Any, ...]], keys: list[str], kbs: list[bytes],
-                       hashes: np.ndarray) -> bool:
-        """Append a chunk of new raw records at once (raw_batch), if it is one: every value bytes,
-        no label, every key new to the dataset and distinct. False: nothing was written."""
-        values = raw_batch.raw_chunk_values(chunk, keys)
-        if values is None or not self.pending.new_keys.keys().isdisjoint(keys):
-            return False
-        recs = raw_batch.encode_raw_records(kbs, values)
-        needs = [len(r) + RECORD_OVERHEAD for r in recs]
-        if max(needs) > self.shard_size:
-            return False  # the record-at-a-time path names the record too large
-        ends = list(accumulate(needs))
-        i = 0
-        while i < len(recs):
-            if self.tail.full_for(needs[i]):
-                self._seal()
-            try:
-                slot, j = self.tail.append_run(recs, ends, i)
-            except (OSError, lmdb.Error) as e:
-                raise self._tail_failed(e) from None
-            self.pending.dirty = True
-            self.pending.add_many(keys[i:j], self.tail.id, slot, repeat(fmt.NO_LABEL, j - i), hashes[i:j])
-            i = j
-        return True
 
     def _committed_pos(self, skey: str, key_hash: int) -> int | None:
         if skey in self.pending.new_keys:
@@ -369,6 +285,10 @@ class Writer:
         self._check()
         self.flush_puts()
         p = self.pending
+        if not p.consistent():
+            self._fail()
+            raise CommitError(f"{self.root}: a write was interrupted halfway (KeyboardInterrupt?); the writes since "
+                              f"generation {self.m.generation} were discarded and nothing was committed; write them again")
         if p.seal_requested and self.tail.slots:
             self._seal()
             p.dirty = True

@@ -4,6 +4,9 @@ the put that gave it, and nothing gathered outlives an abort."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +14,11 @@ import numpy as np
 import pytest
 
 import kvdata
-from kvdata.errors import ClosedError, CorruptDatasetError, InvalidKeyError, RecordTooLargeError
+from kvdata.errors import ClosedError, CommitError, CorruptDatasetError, InvalidKeyError, RecordTooLargeError
+from kvdata.format import raw_batch
 from kvdata.reader.open import verify
-from kvdata.store import record_metas
 from kvdata.store import gathered_puts
+from kvdata.store.pending import Pending
 
 
 def _state(p: Path) -> tuple[list[str], list[Any], list[int]]:
@@ -138,25 +142,58 @@ def test_a_long_put_loop_is_written_in_chunks_and_reads_back(tmp_path: Path) -> 
     assert verify(p)["ok"]
 
 
-def test_a_failure_while_gathered_puts_are_written_commits_none_of_them(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not a tail failure (those discard the pending writes and say so): the lookup of the
-    gathered keys fails (a damaged committed record; here injected). The puts that gave them had
-    returned, so the writer fails rather than commit a session without them."""
+def _damaged_record(p: Path, key: str) -> None:
+    """Flip the magic byte of `key`'s record in its sealed shard (its header no longer reads)."""
+    shard = next((p / "shards").glob("0*.mdb"))
+    data = bytearray(shard.read_bytes())
+    at = data.find(b"\x81\xa1k" + bytes([0xA0 | len(key)]) + key.encode())  # the meta {"k": key}
+    assert at > 20
+    data[at - 20] ^= 0xFF
+    shard.chmod(0o644)
+    shard.write_bytes(bytes(data))
+
+
+def test_a_damaged_committed_record_fails_only_its_own_gathered_put(tmp_path: Path) -> None:
+    """Overwriting a key whose committed record is damaged fails that put -- named, at the call
+    that writes it -- and every other gathered put is written, as one put at a time would."""
+    p = tmp_path / "ds.kv"
+    with kvdata.open(p, "w") as s:
+        s.put("a", b"A" * 100)
+        s.put("b", b"B" * 100)
+        s.seal()
+    _damaged_record(p, "a")
+    s = kvdata.open(p, "a")
+    for k in ("c", "a", "d"):
+        s.put(k, b"new")
+    with pytest.raises(CorruptDatasetError, match="key 'a' .*was not written.*record header is damaged"):
+        s.commit()
+    s.put("e", b"new")
+    s.commit()
+    s.close()
+    with kvdata.open(p) as r:  # (listing every key would read the damaged header)
+        assert len(r) == 5
+        assert [bytes(r[k]) for k in "bcde"] == [b"B" * 100] + [b"new"] * 3
+
+
+def test_a_failure_while_a_gathered_chunk_is_written_fails_the_writer_saying_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a tail failure (those discard the pending writes and say so) and not in the key
+    lookup (nothing written yet): the chunk may be half written after its puts returned, so the
+    writer fails rather than commit a session without them, and later calls say why."""
     p = tmp_path / "ds.kv"
     with kvdata.open(p, "a") as s:
         s.put("kept", b"1")
 
-    def damaged(*_a: Any, **_k: Any) -> Any:
-        raise CorruptDatasetError(f"{p}: record 0 is damaged")
+    def broken(*_a: Any, **_k: Any) -> Any:
+        raise MemoryError("no memory for the chunk")
 
     s = kvdata.open(p, "a")
     for i in range(10):
         s.put(f"k{i}", b"x")
-    monkeypatch.setattr(record_metas, "find_many", damaged)
-    with pytest.raises(CorruptDatasetError, match="damaged"):
+    monkeypatch.setattr(raw_batch, "encode_raw_records", broken)
+    with pytest.raises(MemoryError):
         s.commit()
-    with pytest.raises(ClosedError, match="open the dataset again"):
+    with pytest.raises(ClosedError, match="writing 10 gathered puts failed: MemoryError.*discarded.*open the dataset again"):
         s.put("after", b"y")
     with pytest.raises(ClosedError):
         s.commit()
@@ -164,3 +201,82 @@ def test_a_failure_while_gathered_puts_are_written_commits_none_of_them(tmp_path
     with kvdata.open(p) as r:
         assert list(r.keys()) == ["kept"]
     assert verify(p)["ok"]
+
+
+def test_a_ctrl_c_while_gathered_puts_are_written_waits_until_they_are(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT in the middle of writing a chunk: the chunk is written whole, then the
+    KeyboardInterrupt comes; the loop's puts all commit."""
+    p = tmp_path / "ds.kv"
+    real = raw_batch.encode_raw_records
+    sent = []
+
+    def interrupted(*a: Any, **k: Any) -> Any:
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the signal is taken while the chunk is being written
+        return real(*a, **k)
+
+    monkeypatch.setattr(raw_batch, "encode_raw_records", interrupted)
+    s = kvdata.open(p, "w")
+    n = 0
+    with pytest.raises(KeyboardInterrupt):
+        while n < 5000:
+            s.put(f"k{n}", b"x" * 100)
+            n += 1
+    assert sent and n < 5000
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    s.commit()
+    s.close()
+    with kvdata.open(p) as r:
+        assert len(r) >= n  # every put that returned, and maybe the interrupted one (it was gathered)
+        assert list(r.keys())[:n] == [f"k{i}" for i in range(n)]
+    assert verify(p)["ok"]
+
+
+def test_an_interrupted_record_at_a_time_put_fails_the_commit_clearly(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt between the steps of one put (its row half added) makes the commit
+    refuse with one line, not an IndexError, and keep the last commit."""
+    p = tmp_path / "ds.kv"
+    with kvdata.open(p, "a") as s:
+        s.put("kept", b"1")
+    real_add = Pending.add
+
+    def half(self: Pending, key: str, row: Any, key_hash: int) -> None:
+        self.new_keys[key] = len(self.new_slot)
+        self.new_shard.append(row[0])
+        raise KeyboardInterrupt
+
+    s = kvdata.open(p, "a")
+    s.put("a", bytearray(b"1"))  # bytearray: written at once
+    monkeypatch.setattr(Pending, "add", half)
+    with pytest.raises(KeyboardInterrupt):
+        s.put("b", bytearray(b"2"))
+    monkeypatch.setattr(Pending, "add", real_add)
+    with pytest.raises(CommitError, match="interrupted halfway.*discarded"):
+        s.commit()
+    s.put("c", b"3")
+    s.close()
+    with kvdata.open(p) as r:
+        assert list(r.keys()) == ["kept", "c"]
+    assert verify(p)["ok"]
+
+
+@pytest.mark.parametrize("conv", [bytes, bytearray])
+def test_puts_made_by_put_manys_own_iterable_keep_their_order(tmp_path: Path, conv: Any) -> None:
+    """Puts the iterable makes while put_many takes a chunk from it land before the chunk,
+    gathered (bytes) or not (bytearray), as they always did."""
+    p = tmp_path / "ds.kv"
+    with kvdata.open(p, "w") as s:
+        def items() -> Any:
+            for i in range(3):
+                s.put(f"meta{i}", conv(b"m"))
+                yield f"item{i}", b"i"
+            s.put("x", conv(b"default"))
+            yield "x", b"final"
+        s.put_many(items())
+    with kvdata.open(p) as r:
+        assert list(r.keys()) == ["meta0", "meta1", "meta2", "x", "item0", "item1", "item2"]
+        assert bytes(r["x"]) == b"final"
