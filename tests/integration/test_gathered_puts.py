@@ -219,14 +219,20 @@ def test_a_ctrl_c_while_gathered_puts_are_written_waits_until_they_are(tmp_path:
         return real(*a, **k)
 
     monkeypatch.setattr(raw_batch, "encode_raw_records", interrupted)
+    # Python's own Ctrl-C handler, whatever this run started with (started in the background,
+    # a process inherits SIGINT ignored and Python installs no handler)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     s = kvdata.open(p, "w")
     n = 0
-    with pytest.raises(KeyboardInterrupt):
-        while n < 5000:
-            s.put(f"k{n}", b"x" * 100)
-            n += 1
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            while n < 5000:
+                s.put(f"k{n}", b"x" * 100)
+                n += 1
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert sent and n < 5000
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     s.commit()
     s.close()
     with kvdata.open(p) as r:
