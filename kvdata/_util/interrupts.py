@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+_CATCHABLE = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
+
 
 @contextmanager
 def interrupts_deferred() -> Iterator[None]:
@@ -43,6 +45,3 @@ def interrupts_deferred() -> Iterator[None]:
             signal.signal(sig, signal.default_int_handler)
     if held:
         raise KeyboardInterrupt
-
-
-_CATCHABLE = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))

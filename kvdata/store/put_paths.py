@@ -19,6 +19,7 @@ from .._util.interrupts import interrupts_deferred
 from ..errors import CommitError, KVDataError
 from ..format import Manifest, raw_batch
 from . import record_metas
+from .gathered_puts import GATHER_RECORDS
 from .open_tail import RECORD_OVERHEAD, OpenTail
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from .pending import Pending
     from .reader import Reader
 
-PUT_CHUNK = 1024           # put_many looks up existing keys this many at a time
+PUT_CHUNK = GATHER_RECORDS  # put_many looks up existing keys this many at a time, as many as put gathers
 
 
 class PutPaths:
