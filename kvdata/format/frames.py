@@ -69,35 +69,25 @@ _PAGE = struct.Struct("<QHHHH")
 _NODE = struct.Struct("<HHHH")
 
 
-def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
+def lmdb_values(buf: memoryview | bytes, txnid: int | None = None) -> np.ndarray | None:
     """(offset, size) of every slot's value in an LMDB file whose keys are the 8-byte slot
     numbers 0..n-1 (a sealed shard), in slot order, as SLOT_DTYPE rows -- or None when the
     file is not laid out so (any doubt: the caller then cuts frames at page boundaries and
     writes no slot directory).
 
-    The main B-tree is walked from the newest meta page's root one level at a time, every
+    The main B-tree is walked from the newest meta page's root (or, with `txnid`, from the root
+    of the meta page of that transaction: a live tail read under a read transaction that pins
+    it; None if neither meta page is that transaction's) one level at a time, every
     page of a level at once in numpy (a file that was not compacted holds free pages with
     stale nodes; only the tree says which pages are live). A node-by-node walk in Python cost
     ~2 us a record, most of a small-record seal. Every gathered position is checked against
     the file before it is read, and each level's size against what the file can hold, so
     hostile pages cost at most a few passes over the file."""
     size = len(buf)
-    if size < 2 * 512:
+    meta = lmdb_meta(buf, txnid)
+    if meta is None:
         return None
-    best: tuple[int, int, int, int, int] | None = None  # txnid, psize, entries, root, last_pg
-    try:
-        psize0 = _META.unpack_from(buf, _PAGE_HDR)[2]
-    except struct.error:
-        return None
-    if psize0 & (psize0 - 1) or not 512 <= psize0 <= 65536 or size < 2 * psize0:
-        return None
-    for at in (0, psize0):
-        magic, _version, psize, entries, root, last_pg, txnid = _META.unpack_from(buf, at + _PAGE_HDR)
-        if magic == _LMDB_MAGIC and psize == psize0 and (best is None or txnid > best[0]):
-            best = (txnid, psize, entries, root, last_pg)
-    if best is None:
-        return None
-    _txnid, psize, entries, root, last_pg = best
+    _txnid, psize, entries, root, last_pg = meta
     npages = min(last_pg + 1, size // psize)
     if entries > size // 16:  # a value takes a node of at least 16 bytes
         return None
@@ -109,6 +99,27 @@ def lmdb_values(buf: memoryview | bytes) -> np.ndarray | None:
         return _walk(np.frombuffer(buf, np.uint8), psize, entries, root, npages, size)
     except (MemoryError, ValueError, IndexError, OverflowError):  # any doubt is None; the frames that
         return None                                              # held views of `buf` are gone by now
+
+
+def lmdb_meta(buf: memoryview | bytes, txnid: int | None = None) -> tuple[int, int, int, int, int] | None:
+    """(txnid, page size, entries, root page, last page) of the newest valid meta page of an
+    LMDB file -- or of the one written by transaction `txnid`; None if there is none."""
+    if len(buf) < 2 * 512:
+        return None
+    best: tuple[int, int, int, int, int] | None = None
+    try:
+        psize0 = _META.unpack_from(buf, _PAGE_HDR)[2]
+    except struct.error:
+        return None
+    if psize0 & (psize0 - 1) or not 512 <= psize0 <= 65536 or len(buf) < 2 * psize0:
+        return None
+    for at in (0, psize0):
+        magic, _version, psize, entries, root, last_pg, tid = _META.unpack_from(buf, at + _PAGE_HDR)
+        if magic != _LMDB_MAGIC or psize != psize0:
+            continue
+        if txnid is None and (best is None or tid > best[0]) or txnid is not None and tid == txnid:
+            best = (tid, psize, entries, root, last_pg)
+    return best
 
 
 WALK_CHUNK = 1 << 16  # nodes gathered at once: the walk's temporaries stay a few MB whatever the file says

@@ -12,7 +12,8 @@ import mmap
 import operator
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from .shards import SealedShard
 from .source import ShardSource
 from .stacking import Alloc, Copier
 from .tail_reads import TailReads, lmdb_value
+from .tail_snapshot import TailSnapshot
 
 PLAN_CACHE_MAX = 4096
 # Values at least this large get an madvise(WILLNEED) over their exact byte range
@@ -181,33 +183,48 @@ class Reader:
             if self._readahead:
                 self._advise_willneed(sh, r, hk)
             handles = self._handles
-            plans = self._plans
-            unpack = fmt.PREFIX.unpack_from
-            decode = fmt.decode_plan
-            for j, s, off, size, hk_ in zip(where.tolist(), sh.tolist(), r["offset"].tolist(),
-                                            r["size"].tolist(), hk.tolist()):
-                h = handles[s] or self.handle(s)
-                head = hk_ & _HEAD_MASK
-                if hk_ >> _KIND_SHIFT == fmt.KIND_RAW:
-                    a = off + head
-                    out[j] = h.mv[a:a + size] if not copy else h.mm[a:a + size]
-                    continue
-                try:
-                    pre = unpack(h.mv, off)
-                    if pre[0] != fmt.MAGIC or pre[1] != fmt.KIND_FIELDS or pre[fmt.PREFIX_HEAD] != head \
-                            or fmt.PREFIX_SIZE + pre[fmt.PREFIX_LAYOUT_LEN] > head:
-                        raise CorruptDatasetError("the record there does not match the side-index; run `kvdata verify`")
-                    a = off + fmt.PREFIX_SIZE
-                    lb = h.mm[a:a + pre[fmt.PREFIX_LAYOUT_LEN]]
-                    plan = plans.get(lb) or self._plan(lb)
-                    out[j] = decode(plan, h.u8, h.mv, off + head, copy, off + head + size)
-                except CorruptDatasetError as e:
-                    raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
+            sh_list = sh.tolist()
+            hs = [handles[s] for s in sh_list]
+            if None in hs:
+                for s in set(sh_list):
+                    self.handle(s)
+                hs = [handles[s] for s in sh_list]
+            self._decode_rows(out, where, hs, r, hk, copy)
         if not all_sealed:
             tail_at = np.nonzero(~sealed)[0]
-            for j, sl, v in zip(tail_at.tolist(), slot[tail_at].tolist(), self.tail_values(slot[tail_at].tolist())):
-                out[j] = self._decode_at(self.gen.tail_path, sl, v, copy)
+            tail_slots = slot[tail_at]
+            snap = self._tail.snapshot(self.gen, len(tail_at))
+            if snap is not None:  # by map and rows, as a sealed shard (store.tail_snapshot)
+                r = snap.rows[tail_slots]
+                self._decode_rows(out, tail_at, repeat(snap, len(tail_at)), r, r["head_kind"], copy)
+            else:
+                for j, sl, v in zip(tail_at.tolist(), tail_slots.tolist(), self.tail_values(tail_slots.tolist())):
+                    out[j] = self._decode_at(self.gen.tail_path, sl, v, copy)
         return out
+
+    def _decode_rows(self, out: list[Any], where: np.ndarray, hs: Iterable[SealedShard | TailSnapshot],
+                     r: np.ndarray, hk: np.ndarray, copy: bool) -> None:
+        """out[where[i]] = the record at row r[i] of the map hs[i] (views unless copy)."""
+        plans = self._plans
+        unpack = fmt.PREFIX.unpack_from
+        decode = fmt.decode_plan
+        for j, h, off, size, hk_ in zip(where.tolist(), hs, r["offset"].tolist(), r["size"].tolist(), hk.tolist()):
+            head = hk_ & _HEAD_MASK
+            if hk_ >> _KIND_SHIFT == fmt.KIND_RAW:
+                a = off + head
+                out[j] = h.mv[a:a + size] if not copy else h.mm[a:a + size]
+                continue
+            try:
+                pre = unpack(h.mv, off)
+                if pre[0] != fmt.MAGIC or pre[1] != fmt.KIND_FIELDS or pre[fmt.PREFIX_HEAD] != head \
+                        or fmt.PREFIX_SIZE + pre[fmt.PREFIX_LAYOUT_LEN] > head:
+                    raise CorruptDatasetError("the record there does not match the side-index; run `kvdata verify`")
+                a = off + fmt.PREFIX_SIZE
+                lb = h.mm[a:a + pre[fmt.PREFIX_LAYOUT_LEN]]
+                plan = plans.get(lb) or self._plan(lb)
+                out[j] = decode(plan, h.u8, h.mv, off + head, copy, off + head + size)
+            except CorruptDatasetError as e:
+                raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
 
     def _read_records(self, where: np.ndarray, sh: np.ndarray, slots: np.ndarray, r: np.ndarray, hk: np.ndarray,
                       out: list[Any], copy: bool) -> np.ndarray | None:

@@ -75,8 +75,14 @@ ROWS_CHUNK = 1 << 16  # record prefixes read at once: the temporaries stay a few
 
 def _rows(mv: memoryview) -> np.ndarray | None:
     slots = frames.lmdb_values(mv)
-    if slots is None:
-        return None
+    return None if slots is None else rows_of_values(mv, slots)
+
+
+def rows_of_values(mv: memoryview, slots: np.ndarray) -> np.ndarray | None:
+    """Record rows (format.RECORD_DTYPE) of LMDB values at (offset, size) `slots` of the map
+    `mv` (frames.lmdb_values' rows, positions already checked against the map), from the
+    records' prefixes; None if any prefix is not a record's. May raise what numpy raises on a
+    map that is not what its pages claim (MemoryError, ValueError, IndexError)."""
     u8 = np.frombuffer(mv, np.uint8)  # every array made below is a copy: none outlives the map
     windows = np.lib.stride_tricks.sliding_window_view(u8, fmt.PREFIX_SIZE)
     rows = np.zeros(len(slots), dtype=fmt.RECORD_DTYPE)

@@ -63,8 +63,11 @@ class EnvRegistry:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._leftovers: list[Any] = []
+        self._pins: dict[int, tuple[Any, Any]] = {}  # key -> (env, read txn) of each tail snapshot
+        self._pin_keys = 0
 
     def _after_fork(self) -> None:
+        self._pins = {}  # the parent's pins, dropped (not ended) before their envs are closed
         for env, _n in self._envs.values():
             if self._busy.get(id(env)):
                 self._leftovers.append(env)
@@ -114,6 +117,41 @@ class EnvRegistry:
                         self._busy.pop(id(env), None)
                         env.close()
                     return
+
+    def pin(self, env: lmdb.Environment) -> tuple[int, Any]:
+        """Begin a read transaction on `env` that stays open until `unpin` (a tail snapshot's:
+        LMDB reuses no page that it can reach), keeping the env open meanwhile; returns (its
+        key, the transaction). The registry holds the only reference to it, so that a forked
+        child drops the parent's pins before it closes the envs it inherited: py-lmdb (>= 3)
+        lets a child drop a transaction without ending it, while closing an env would end its
+        transactions -- and with them the parent's reader slots, in the shared lock file."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._after_fork()
+            slot = next((s for s in self._envs.values() if s[0] is env), None)
+            if slot is None:
+                raise KeyError("pin: the env is not in the registry")
+            txn = env.begin()
+            slot[1] += 1
+            self._pin_keys += 1
+            self._pins[self._pin_keys] = (env, txn)
+            return self._pin_keys, txn
+
+    def unpin(self, key: int, pid: int) -> None:
+        """End the pin `key` made in process `pid` (nothing in any other process: a forked
+        child's registry no longer has it)."""
+        with self._lock:
+            if self._pid != os.getpid() or pid != self._pid:
+                return
+            got = self._pins.pop(key, None)
+        if got is None:
+            return
+        env, txn = got
+        try:
+            txn.abort()
+        except lmdb.Error:
+            pass
+        self.release(env)
 
     def mark_busy(self, env: lmdb.Environment, delta: int) -> None:
         """Count a transaction opened (+1) or ended (-1) on env."""
