@@ -11,6 +11,9 @@
 In (a) and (b), "kvdata as written" is a second copy of the kvdata dataset written the way
 training code writes one -- `kvdata.open(p, "w")`, put_many, close(), no seal() -- and read
 right away (issue 12: its last shard used to stay an LMDB tail read through transactions).
+"kvdata as appended" is a third copy written with mode "a" (the README's `kvdata.open(p, "a")`),
+put_many, close(): its last shard stays an open LMDB tail (all of it below one shard), read by
+a tail snapshot (store.tail_snapshot: the tail's map and record rows, pinned by a read txn).
 
 All methods read the same seeded random indices; repeats alternate between methods and the
 table reports the median samples/s. Run:  python bench/store_read.py [--quick] [--json F]
@@ -58,12 +61,16 @@ except ImportError:  # pip install mmap-ninja (the `bench` extra)
 
 SMALL = 1024
 AS_WRITTEN = "kvdata as written (w, close, no seal): "
+# mode "a" (the README's `kvdata.open(p, "a")`): close keeps the last shard an open LMDB tail,
+# read by a tail snapshot (store.tail_snapshot) once enough of it is asked for
+AS_APPENDED = "kvdata as appended (a, close: open tail): "
 
 
 def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Write the same n random samples to every format under root (reused if already built)."""
     params = {"n": n, "nbytes": nbytes, "seed": args.seed, "shard_size": args.shard_size,
-              "keep_tail": args.keep_tail, "ninja": RaggedMmap is not None, "as_written": True}
+              "keep_tail": args.keep_tail, "ninja": RaggedMmap is not None, "as_written": True,
+              "as_appended": True}
     done = root / "DONE.json"
     info = built(done, params)
     if info is not None:
@@ -78,7 +85,8 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
     with open(root / "flat.u8", "wb") as flat, \
             kvdata.open(root / "kvdata", "a" if args.keep_tail else "w", shard_size=args.shard_size,
                         compress=False) as st, \
-            kvdata.open(root / "kvdata-as-written", "w", shard_size=args.shard_size, compress=False) as aw:
+            kvdata.open(root / "kvdata-as-written", "w", shard_size=args.shard_size, compress=False) as aw, \
+            kvdata.open(root / "kvdata-as-appended", "a", shard_size=args.shard_size, compress=False) as ap:
         for start, arr in image_chunks(rng, n, chunk, "noise", shape):
             keys = range(start, start + len(arr))
             flat.write(arr.tobytes())
@@ -87,6 +95,7 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
                     txn.put(b"%08d" % i, a.tobytes(), append=True)
             st.put_many((f"{i:08d}", {"image": a} if image else a.tobytes()) for i, a in zip(keys, arr))
             aw.put_many((f"{i:08d}", {"image": a} if image else a.tobytes()) for i, a in zip(keys, arr))
+            ap.put_many((f"{i:08d}", {"image": a} if image else a.tobytes()) for i, a in zip(keys, arr))
             if ninja_np is None:
                 pass
             elif image:  # fixed-shape samples: one (N, 227, 227, 3) memmap
@@ -107,8 +116,12 @@ def build(root: Path, n: int, nbytes: int, image: bool, args: argparse.Namespace
     with kvdata.open(root / "kvdata-as-written") as st:
         aw_sealed = sum(int(e["records"]) for e in st.manifest["shards"])
         aw_shards = len(st.manifest["shards"])
+    with kvdata.open(root / "kvdata-as-appended") as st:
+        ap_sealed = sum(int(e["records"]) for e in st.manifest["shards"])
+        ap_shards = len(st.manifest["shards"])
     return mark_built(done, params, kvdata_shards=shards, kvdata_sealed_fraction=sealed / n,
-                      as_written_shards=aw_shards, as_written_sealed_fraction=aw_sealed / n)
+                      as_written_shards=aw_shards, as_written_sealed_fraction=aw_sealed / n,
+                      as_appended_shards=ap_shards, as_appended_sealed_fraction=ap_sealed / n)
 
 
 def copy_threads(st: Any) -> int | str:
@@ -127,6 +140,7 @@ def image_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
     keys = [b"%08d" % i for i in range(n)]
     st = kvdata.open(root / "kvdata")
     aw = kvdata.open(root / "kvdata-as-written")
+    ap = kvdata.open(root / "kvdata-as-appended")
     out = np.empty((BATCH, *SHAPE), np.uint8)  # every "into out" method fills this one batch
 
     def memmap(idx):
@@ -154,13 +168,15 @@ def image_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
              (lambda idx: st.get_batch(idx, fields=["image"], alloc=lambda shape, dtype: out)["image"], "into out"),
          "kvdata get_many + np.stack": (lambda idx: np.stack([r["image"] for r in st.get_many(idx)]), "new array"),
          AS_WRITTEN + f"get_batch into out ({copy_threads(aw)} copy threads)":
-             (lambda idx: aw.get_batch(idx, fields=["image"], alloc=lambda shape, dtype: out)["image"], "into out")}
+             (lambda idx: aw.get_batch(idx, fields=["image"], alloc=lambda shape, dtype: out)["image"], "into out"),
+         AS_APPENDED + f"get_batch into out ({copy_threads(ap)} copy threads)":
+             (lambda idx: ap.get_batch(idx, fields=["image"], alloc=lambda shape, dtype: out)["image"], "into out")}
     if ninja_np is not None:
         nin = ninja_np.open_existing(root / "ninja")
         m["mmap_ninja numpy: take(out=)"] = (
             lambda idx: np.take(nin, idx, axis=0, out=out[:len(idx)], mode="clip"), "into out")
         m["mmap_ninja numpy: mm[idx]"] = (lambda idx: nin[idx], "new array")
-    return m, lambda: (env.close(), st.close(), aw.close())
+    return m, lambda: (env.close(), st.close(), aw.close(), ap.close())
 
 
 def small_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], Callable]:
@@ -170,6 +186,7 @@ def small_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
     keys = [b"%08d" % i for i in range(n)]
     st = kvdata.open(root / "kvdata")
     aw = kvdata.open(root / "kvdata-as-written")
+    ap = kvdata.open(root / "kvdata-as-appended")
 
     def lmdb_get(idx):
         with env.begin() as txn:
@@ -187,11 +204,12 @@ def small_methods(root: Path, n: int) -> tuple[dict[str, tuple[Callable, str]], 
          "np.memmap + offsets .tobytes()": (memmap, "bytes"),
          "kvdata get_many(copy=True)": (lambda idx: st.get_many(idx, copy=True), "bytes"),
          "kvdata get_many (views)": (lambda idx: st.get_many(idx), "memoryview"),
-         AS_WRITTEN + "get_many(copy=True)": (lambda idx: aw.get_many(idx, copy=True), "bytes")}
+         AS_WRITTEN + "get_many(copy=True)": (lambda idx: aw.get_many(idx, copy=True), "bytes"),
+         AS_APPENDED + "get_many(copy=True)": (lambda idx: ap.get_many(idx, copy=True), "bytes")}
     if RaggedMmap is not None:
         rm = RaggedMmap(root / "ninja")
         m["mmap_ninja RaggedMmap .tobytes()"] = (lambda idx: [a.tobytes() for a in rm[idx]], "bytes")
-    return m, lambda: (env.close(), st.close(), aw.close())
+    return m, lambda: (env.close(), st.close(), aw.close(), ap.close())
 
 
 def cold_openers(root: Path) -> dict[str, Callable]:
@@ -332,6 +350,10 @@ def main() -> None:
             aw_frac = info["as_written_sealed_fraction"]
             md.append(f"- kvdata {name} as written (no seal): {info['as_written_shards']} sealed shard(s) hold "
                       f"{100 * aw_frac:.0f}% of the samples" + ("; the rest is in the open LMDB tail" if aw_frac < 1 else ""))
+            ap_frac = info["as_appended_sealed_fraction"]
+            md.append(f"- kvdata {name} as appended (mode a, no seal): {info['as_appended_shards']} sealed shard(s) hold "
+                      f"{100 * ap_frac:.0f}% of the samples" + ("; the rest is in the open LMDB tail (read by a tail "
+                                                                "snapshot)" if ap_frac < 1 else ""))
         md.append("")
 
         for key, root, n, nbytes, count, base, title in (
