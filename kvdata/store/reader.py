@@ -115,8 +115,9 @@ class Reader:
 
         A single `store[i]` is what per-sample code (a Dataset.__getitem__, a notebook) pays
         on every sample, so a sealed record read in place takes no arrays, no batch planning
-        and no readahead probing (a page fault reads ahead on its own); anything else (the
-        tail, a tier source, offsets not known) takes the batch path."""
+        and no readahead probing (a page fault reads ahead on its own), and neither does a tail
+        record once a tail snapshot is held; anything else (the tail before that, a tier source,
+        offsets not known) takes the batch path."""
         index_ = self.gen.index
         n = index_.count
         i = operator.index(index)
@@ -127,18 +128,25 @@ class Reader:
         if self.source is not None or self.max_open is not None:
             return self.get_many([i], copy)[0]
         shard, slot, _label = index_.samples[i].item()
-        if shard >= index_.n_sealed:
-            return self.get_many([i], copy)[0]
-        rec = int(index_.base[shard]) + slot
-        if rec >= index_.base[shard + 1]:
-            return self.get_many([i], copy)[0]  # (names the damage)
-        off, size, hk = index_.records[rec].item()
+        h: SealedShard | TailSnapshot
+        if shard >= index_.n_sealed:  # the tail: by its snapshot's rows once one is held
+            snap = self._tail.held(self.gen)
+            if snap is None or shard != index_.n_sealed or slot >= snap.records:
+                return self.get_many([i], copy)[0]
+            off, size, hk = snap.rows[slot].item()
+            h = snap
+        else:
+            rec = int(index_.base[shard]) + slot
+            if rec >= index_.base[shard + 1]:
+                return self.get_many([i], copy)[0]  # (names the damage)
+            off, size, hk = index_.records[rec].item()
+            if off + (hk & _HEAD_MASK) + size > index_.shard_bytes[shard]:
+                return self.get_many([i], copy)[0]  # unknown offsets, or a damaged row: the checks name it
+            h = self._handles[shard] or self.handle(shard)
         head = hk & _HEAD_MASK
         kind = hk >> _KIND_SHIFT
-        if off + head + size > index_.shard_bytes[shard] or head < fmt.PREFIX_SIZE \
-                or (kind != fmt.KIND_RAW and kind != fmt.KIND_FIELDS):
-            return self.get_many([i], copy)[0]  # unknown offsets, or a damaged row: the checks name it
-        h = self._handles[shard] or self.handle(shard)
+        if head < fmt.PREFIX_SIZE or (kind != fmt.KIND_RAW and kind != fmt.KIND_FIELDS):
+            return self.get_many([i], copy)[0]  # a damaged row (or a tombstone): the checks name it
         if kind == fmt.KIND_RAW:
             a = off + head
             return h.mm[a:a + size] if copy else h.mv[a:a + size]

@@ -45,6 +45,7 @@ class TailReads:
         self._map_shard = map_shard
         self._env: Any = None
         self._snap: TailSnapshot | None = None
+        self._held: tuple[Generation, TailSnapshot] | None = None  # (a generation it serves, it): one attribute
         self._asked = 0  # tail records asked for since the snapshot was dropped (or a take failed)
         self._lock = threading.Lock()
 
@@ -52,15 +53,23 @@ class TailReads:
         """Let the env go (another generation's tail is read from now on, or the reader closes);
         the snapshot's pin ends when the last view of its map does."""
         with self._lock:
-            self._snap, self._asked = None, 0
+            self._snap, self._held, self._asked = None, None, 0
             if self._env is not None:
                 ENVS.release(self._env)
             self._env = None
 
     def forget(self) -> None:
         """After fork: the parent's LMDB handle and snapshot must not be used or closed in the child."""
-        self._env, self._snap, self._asked = None, None, 0
+        self._env, self._snap, self._held, self._asked = None, None, None, 0
         self._lock = threading.Lock()
+
+    def held(self, gen: Generation) -> TailSnapshot | None:
+        """The snapshot held for `gen`'s tail, if any (single reads: no counting, no taking)."""
+        held = self._held  # read once: another thread may replace it meanwhile
+        if held is not None and held[0] is gen:
+            return held[1]
+        snap = self._snap
+        return snap if snap is not None and snap.path == gen.tail_path else None
 
     def snapshot(self, gen: Generation, asked: int) -> TailSnapshot | None:
         """The snapshot to read `gen`'s tail records from, if one is held or worth taking now that
@@ -69,6 +78,7 @@ class TailReads:
         with self._lock:
             snap = self._snap
             if snap is not None and snap.path == gen.tail_path and snap.records >= records:
+                self._held = (gen, snap)
                 return snap
             self._asked += asked
             if self._asked * SNAPSHOT_SHARE < records:
@@ -77,8 +87,9 @@ class TailReads:
             env = self._open(gen)
             if env is None:
                 return None
-            self._snap = TailSnapshot.take(env, gen.tail_path, records)
-            return self._snap
+            snap = self._snap = TailSnapshot.take(env, gen.tail_path, records)
+            self._held = None if snap is None else (gen, snap)
+            return snap
 
     def values(self, gen: Generation, slots: list[int]) -> list[bytes]:
         """Copies of the tail records at `slots` (LMDB buffers die with their transaction)."""
