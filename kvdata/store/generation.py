@@ -19,7 +19,7 @@ from .index import Index
 from .pins import ReaderPin, pin
 
 MAX_MANIFEST = 1 << 30
-LOAD_ATTEMPTS = 5  # a commit may replace the manifest between reading it and mapping its index
+LOAD_ATTEMPTS = 50  # a commit may replace the manifest between reading it and mapping its index
 
 
 def read_manifest(root: Path) -> Manifest:
@@ -72,13 +72,13 @@ class Generation:
 
 def load_generation(root: Path) -> Generation:
     """The current generation, retrying if a commit replaces it while we map its index."""
-    for attempt in range(LOAD_ATTEMPTS):
+    for _attempt in range(LOAD_ATTEMPTS):
         m = read_manifest(root)
         try:
             return Generation(root, m, Index(root / names.INDEX_DIR, m))
         except FileNotFoundError as e:
-            if attempt < LOAD_ATTEMPTS - 1 and read_manifest(root).generation != m.generation:
-                continue
+            if read_manifest(root).generation != m.generation:
+                continue  # a commit replaced it (and removed its index files): load the new one
             raise CorruptDatasetError(f"index file {e.filename} is missing; run `kvdata reindex {root}`") from None
     raise CorruptDatasetError(f"{root}: the manifest keeps changing while it is read; try again")
 

@@ -13,6 +13,7 @@ import operator
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from itertools import repeat
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,12 @@ _HEAD_MASK = fmt.MAX_HEAD
 _KIND_SHIFT = fmt.KIND_SHIFT
 
 
+def _plain(hk: int) -> bool:
+    """Whether a row's head|kind is a sample's record (raw or fields, a head past the prefix)."""
+    kind = hk >> _KIND_SHIFT
+    return (hk & _HEAD_MASK) >= fmt.PREFIX_SIZE and (kind == fmt.KIND_RAW or kind == fmt.KIND_FIELDS)
+
+
 class Reader:
     """Reads records of one generation; `load()` moves it to another."""
 
@@ -61,20 +68,28 @@ class Reader:
         self._plans: dict[bytes, fmt.Plan] = {}
         self._copier = Copier(copy_threads)
         self._readahead = readahead
-        self.gen = gen
-        self._handles: list[SealedShard | None] = [self._sealed.get(s.sha256) for s in gen.shards]
+        # the generation read and its shards' handles, replaced as one by load(): a read takes
+        # both once, so a load() from another thread never mixes two generations in one batch
+        self._state: tuple[Generation, list[SealedShard | None]] = (gen, [None] * len(gen.shards))
+
+    @property
+    def gen(self) -> Generation:
+        return self._state[0]
+
+    @property
+    def _handles(self) -> list[SealedShard | None]:
+        return self._state[1]
 
     # ------------------------------------------------------------ lifecycle
 
     def load(self, gen: Generation) -> None:
         """Read `gen` from now on (mapped shards it shares with the old one stay mapped)."""
         old_tail = self.gen.manifest.tail
-        self.gen = gen
         wanted = {s.sha256 for s in gen.shards}
         for sha in [sha for sha in self._sealed if sha not in wanted]:  # rewritten by a compaction: let
             self._sealed.pop(sha).close()                               # its file go (views stay valid)
             self._sealed_ids.pop(sha, None)
-        self._handles = [self._sealed.get(s.sha256) for s in gen.shards]
+        self._state = (gen, [self._sealed.get(s.sha256) for s in gen.shards])
         if old_tail != gen.manifest.tail:
             self._tail.release()
 
@@ -94,15 +109,16 @@ class Reader:
                 h.close()
         self._tail.forget()
         self._sealed.clear()
-        self._handles = []
+        self._state = (self.gen, [None] * len(self.gen.shards))
         self._copier.close()
 
     # ------------------------------------------------------------ reads
 
-    def positions(self, indices: Any) -> np.ndarray:
-        """Sample indices as int64 positions (negative from the end), bounds-checked."""
+    def positions(self, indices: Any, gen: Generation | None = None) -> np.ndarray:
+        """Sample indices as int64 positions (negative from the end) of `gen` (the one read now),
+        bounds-checked."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = self.gen.index.count
+        n = (gen or self.gen).index.count
         if idx.size and (idx.min() < 0):
             idx = np.where(idx < 0, idx + n, idx)
         if idx.size and (idx.min() < 0 or idx.max() >= n):
@@ -116,9 +132,11 @@ class Reader:
         A single `store[i]` is what per-sample code (a Dataset.__getitem__, a notebook) pays
         on every sample, so a sealed record read in place takes no arrays, no batch planning
         and no readahead probing (a page fault reads ahead on its own), and neither does a tail
-        record once a tail snapshot is held; anything else (the tail before that, a tier source,
-        offsets not known) takes the batch path."""
-        index_ = self.gen.index
+        record once a tail snapshot is held (a copy, read in one transaction); anything else
+        (the tail before that, a tier source, offsets not known) takes the batch path."""
+        state = self._state
+        gen = state[0]
+        index_ = gen.index
         n = index_.count
         i = operator.index(index)
         if i < 0:
@@ -126,34 +144,36 @@ class Reader:
         if not 0 <= i < n:
             raise IndexError(f"sample index {index} out of range for {n} samples in {self.root}")
         if self.source is not None or self.max_open is not None:
-            return self.get_many([i], copy)[0]
+            return self._get_many([i], copy, state)[0]
         shard, slot, _label = index_.samples[i].item()
-        h: SealedShard | TailSnapshot
         if shard >= index_.n_sealed:  # the tail: by its snapshot's rows once one is held
-            snap = self._tail.held(self.gen)
+            snap = self._tail.held(gen)
             if snap is None or shard != index_.n_sealed or slot >= snap.records:
-                return self.get_many([i], copy)[0]
+                return self._get_many([i], copy, state)[0]
             off, size, hk = snap.rows[slot].item()
-            h = snap
-        else:
-            rec = int(index_.base[shard]) + slot
-            if rec >= index_.base[shard + 1]:
-                return self.get_many([i], copy)[0]  # (names the damage)
-            off, size, hk = index_.records[rec].item()
-            if off + (hk & _HEAD_MASK) + size > index_.shard_bytes[shard]:
-                return self.get_many([i], copy)[0]  # unknown offsets, or a damaged row: the checks name it
-            h = self._handles[shard] or self.handle(shard)
+            if _plain(hk):
+                with self._tail.reading(gen, snap) as usable:
+                    if usable:
+                        return self._decode_one(snap, off, size, hk, True)
+            return self._get_many([i], copy, state)[0]
+        rec = int(index_.base[shard]) + slot
+        if rec >= index_.base[shard + 1]:
+            return self._get_many([i], copy, state)[0]  # (names the damage)
+        off, size, hk = index_.records[rec].item()
+        if off + (hk & _HEAD_MASK) + size > index_.shard_bytes[shard] or not _plain(hk):
+            return self._get_many([i], copy, state)[0]  # unknown offsets, or a damaged row: the checks name it
+        return self._decode_one(state[1][shard] or self.handle(shard, state), off, size, hk, copy)
+
+    def _decode_one(self, h: SealedShard | TailSnapshot, off: int, size: int, hk: int, copy: bool) -> Any:
+        """get_one's decode of the record at row (off, size, hk) of the map of `h`."""
         head = hk & _HEAD_MASK
-        kind = hk >> _KIND_SHIFT
-        if head < fmt.PREFIX_SIZE or (kind != fmt.KIND_RAW and kind != fmt.KIND_FIELDS):
-            return self.get_many([i], copy)[0]  # a damaged row (or a tombstone): the checks name it
-        if kind == fmt.KIND_RAW:
+        if hk >> _KIND_SHIFT == fmt.KIND_RAW:
             a = off + head
             return h.mm[a:a + size] if copy else h.mv[a:a + size]
         try:
             pre = fmt.PREFIX.unpack_from(h.mv, off)
-            if pre[0] != fmt.MAGIC or pre[1] != fmt.KIND_FIELDS or pre[fmt.PREFIX_HEAD] != head \
-                    or fmt.PREFIX_SIZE + pre[fmt.PREFIX_LAYOUT_LEN] > head:
+            if pre[0] != fmt.MAGIC or pre[1] != fmt.KIND_FIELDS \
+                    or pre[fmt.PREFIX_HEAD] != head or fmt.PREFIX_SIZE + pre[fmt.PREFIX_LAYOUT_LEN] > head:
                 raise CorruptDatasetError("the record there does not match the side-index; run `kvdata verify`")
             a = off + fmt.PREFIX_SIZE
             lb = h.mm[a:a + pre[fmt.PREFIX_LAYOUT_LEN]]
@@ -163,9 +183,18 @@ class Reader:
             raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
 
     def get_many(self, indices: Sequence[int] | np.ndarray, copy: bool = False) -> list[Any]:
-        """Records at sample indices, in the order given (views into the maps unless copy)."""
-        pos = self.positions(indices)
-        index = self.gen.index
+        """Records at sample indices, in the order given (views into the maps unless copy; a
+        record of the open tail is always a copy)."""
+        return self._get_many(indices, copy, self._state)
+
+    def _get_many(self, indices: Sequence[int] | np.ndarray, copy: bool,
+                  state: tuple[Generation, list[SealedShard | None]], hold: ExitStack | None = None) -> list[Any]:
+        """get_many of the generation in `state`. With `hold`, tail records read by snapshot are
+        views, valid until `hold` closes (the read transaction stays open in it): get_batch
+        stacks them before that."""
+        gen, handles = state
+        pos = self.positions(indices, gen)
+        index = gen.index
         shard, slot, rec = index.resolve(pos)
         out: list[Any] = [None] * len(pos)
         sealed = rec >= 0
@@ -177,38 +206,40 @@ class Reader:
             unknown = r["offset"] == fmt.UNKNOWN_OFFSET
             if unknown.any():  # shards sealed where offsets could not be learned: read through LMDB
                 for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
-                    h = self.handle(s)
+                    h = self.handle(s, state)
                     out[j] = self._decode_at(h.path, sl, lmdb_value(h, sl), copy)
                 where, sh, r = where[~unknown], sh[~unknown], r[~unknown]
             hk = r["head_kind"]
-            self._check_rows(pos[where], sh, r, hk)
+            self._check_rows(gen, pos[where], sh, r, hk)
             if self.source is not None:  # shards the source reads record by record (no whole copy)
-                done = self._read_records(where, sh, slot[where], r, hk, out, copy)
+                done = self._read_records(state, where, sh, slot[where], r, hk, out, copy)
                 if done is not None:
                     where, sh, r, hk = where[~done], sh[~done], r[~done], hk[~done]
             if self.max_open is not None:
-                self._touch(np.unique(sh).tolist())
+                self._touch(state, np.unique(sh).tolist())
             if self._readahead:
-                self._advise_willneed(sh, r, hk)
-            handles = self._handles
-            sh_list = sh.tolist()
-            hs = [handles[s] for s in sh_list]
-            if None in hs:
-                for s in set(sh_list):
-                    self.handle(s)
-                hs = [handles[s] for s in sh_list]
+                self._advise_willneed(state, sh, r, hk)
+            hs = [handles[s] or self.handle(s, state) for s in sh.tolist()]
             self._decode_rows(out, where, hs, r, hk, copy)
         if not all_sealed:
-            tail_at = np.nonzero(~sealed)[0]
-            tail_slots = slot[tail_at]
-            snap = self._tail.snapshot(self.gen, len(tail_at))
-            if snap is not None:  # by map and rows, as a sealed shard (store.tail_snapshot)
-                r = snap.rows[tail_slots]
-                self._decode_rows(out, tail_at, repeat(snap, len(tail_at)), r, r["head_kind"], copy)
-            else:
-                for j, sl, v in zip(tail_at.tolist(), tail_slots.tolist(), self.tail_values(tail_slots.tolist())):
-                    out[j] = self._decode_at(self.gen.tail_path, sl, v, copy)
+            self._read_tail(gen, np.nonzero(~sealed)[0], slot, out, copy, hold)
         return out
+
+    def _read_tail(self, gen: Generation, tail_at: np.ndarray, slot: np.ndarray, out: list[Any], copy: bool,
+                   hold: ExitStack | None) -> None:
+        """out[tail_at] = the tail records at slot[tail_at]: by snapshot (store.tail_snapshot)
+        inside one read transaction if one is held and still current, else through LMDB."""
+        tail_slots = slot[tail_at]
+        snap = self._tail.snapshot(gen, len(tail_at))
+        if snap is not None:
+            with ExitStack() as own:
+                if (hold or own).enter_context(self._tail.reading(gen, snap)):
+                    r = snap.rows[tail_slots]
+                    self._decode_rows(out, tail_at, repeat(snap, len(tail_at)), r, r["head_kind"],
+                                      copy or hold is None)
+                    return
+        for j, sl, v in zip(tail_at.tolist(), tail_slots.tolist(), self._tail.values(gen, tail_slots.tolist())):
+            out[j] = self._decode_at(gen.tail_path, sl, v, copy)
 
     def _decode_rows(self, out: list[Any], where: np.ndarray, hs: Iterable[SealedShard | TailSnapshot],
                      r: np.ndarray, hk: np.ndarray, copy: bool) -> None:
@@ -234,8 +265,8 @@ class Reader:
             except CorruptDatasetError as e:
                 raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
 
-    def _read_records(self, where: np.ndarray, sh: np.ndarray, slots: np.ndarray, r: np.ndarray, hk: np.ndarray,
-                      out: list[Any], copy: bool) -> np.ndarray | None:
+    def _read_records(self, state: tuple[Generation, list[SealedShard | None]], where: np.ndarray, sh: np.ndarray,
+                      slots: np.ndarray, r: np.ndarray, hk: np.ndarray, out: list[Any], copy: bool) -> np.ndarray | None:
         """Samples of a batch whose shard has no mapped copy and which the source does not want
         whole: their records come from `source.read_records` (every shard of the batch in one
         call, so all their fetches are in flight together) and are decoded here.
@@ -243,8 +274,8 @@ class Reader:
         left to the whole-shard path."""
         source = self.source
         assert source is not None
-        shards = self.gen.shards
-        handles = self._handles
+        gen, handles = state
+        shards = gen.shards
         # per shard, not per sample: a warm batch (every shard mapped) costs one np.unique
         cold = [s for s in np.unique(sh).tolist() if handles[s] is None and not source.wants_whole(shards[s])]
         if not cold:
@@ -274,12 +305,12 @@ class Reader:
                 done[i] = True
         return done if done.any() else None
 
-    def _check_rows(self, pos: np.ndarray, sh: np.ndarray, r: np.ndarray, hk: np.ndarray) -> None:
+    def _check_rows(self, gen: Generation, pos: np.ndarray, sh: np.ndarray, r: np.ndarray, hk: np.ndarray) -> None:
         """Side-index rows of sealed records must lie inside their shard and name a record kind a
         sample can have (raw or fields), before any offset is used to slice a map."""
         if not len(r):
             return
-        index = self.gen.index
+        index = gen.index
         off = r["offset"]
         head = hk & _HEAD_MASK
         kind = hk >> _KIND_SHIFT
@@ -291,7 +322,7 @@ class Reader:
             if not bad.any():
                 return
         i = int(np.nonzero(bad)[0][0])
-        where = self.root / names.INDEX_DIR / str(self.gen.manifest.index.records)
+        where = self.root / names.INDEX_DIR / str(gen.manifest.index.records)
         raise CorruptDatasetError(
             f"index file {where}: the row of sample {int(pos[i])} (shard {int(sh[i])}) is damaged (offset past the "
             f"shard's end, or a bad head or kind); run `kvdata reindex {self.root}`")
@@ -299,7 +330,10 @@ class Reader:
     def get_batch(self, indices: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None,
                   alloc: Alloc | None = None) -> Any:
         """A batch as arrays (see Store.get_batch)."""
-        recs = self.get_many(indices)
+        with ExitStack() as hold:  # tail records read by snapshot are views until it closes
+            return self._stack(self._get_many(indices, False, self._state, hold), fields, alloc)
+
+    def _stack(self, recs: list[Any], fields: Sequence[str] | None, alloc: Alloc | None) -> Any:
         dicts = sum(isinstance(r, dict) for r in recs)
         if dicts and dicts != len(recs):
             raise InvalidValueError(f"{self.root}: this batch mixes raw-bytes records and records with fields; "
@@ -314,7 +348,8 @@ class Reader:
             raise InvalidValueError(f"{self.root}: field {e.args[0]!r} is missing from some records of this batch; "
                                     "pass fields= that every record has, or read them with get_many") from None
 
-    def _advise_willneed(self, sh: np.ndarray, r: np.ndarray, hk: np.ndarray) -> None:
+    def _advise_willneed(self, state: tuple[Generation, list[SealedShard | None]], sh: np.ndarray, r: np.ndarray,
+                         hk: np.ndarray) -> None:
         """Readahead hints for a batch's large values -- unless a few probes (mincore) find
         them already in the page cache, where a hint per value is only syscall overhead."""
         big = r["size"] >= READAHEAD_MIN
@@ -325,16 +360,16 @@ class Reader:
         shards = sh[big].tolist()
         step = max(1, len(shards) // READAHEAD_PROBES)
         probe = range(0, len(shards), step)
-        if all(pages_resident(self.handle(shards[i]).u8.ctypes.data, (int(starts[i]), int(ends[i]) - 1))
+        if all(pages_resident(self.handle(shards[i], state).u8.ctypes.data, (int(starts[i]), int(ends[i]) - 1))
                for i in probe):
             return
-        handles = self._handles
+        handles = state[1]
         for s, a, b in zip(shards, starts.tolist(), ends.tolist()):
-            h = handles[s] or self.handle(s)
+            h = handles[s] or self.handle(s, state)
             a0 = a & _PAGE_MASK
             h.mm.madvise(mmap.MADV_WILLNEED, a0, b - a0)
 
-    def _touch(self, shard_ids: list[int]) -> None:
+    def _touch(self, state: tuple[Generation, list[SealedShard | None]], shard_ids: list[int]) -> None:
         """Mark shards as just used, and unmap the least recently used beyond max_open
         (their memory stays valid for views already handed out; only the lock is dropped).
 
@@ -342,26 +377,29 @@ class Reader:
         reader lock, so staging a cold shard would otherwise find the tier full of copies the
         last batch read and this one does not (measured: at each window of a ShardShuffleSampler
         the new window's shards evicted kept ones, or became private copies, in every worker)."""
-        shards = self.gen.shards
+        gen, handles = state
+        shards = gen.shards
         if self.max_open is not None:
             limit = max(self.max_open, len(shard_ids))
             wanted = {shards[s].sha256 for s in shard_ids}
-            cold_n = sum(1 for s in shard_ids if self._handles[s] is None)
+            cold_n = sum(1 for s in shard_ids if handles[s] is None)
             for sha in [sha for sha in self._sealed if sha not in wanted][:max(0, len(self._sealed) + cold_n - limit)]:
-                self._unmap(sha)
-        cold = [shards[s] for s in shard_ids if self._handles[s] is None]
+                self._unmap(sha, handles)
+        cold = [shards[s] for s in shard_ids if handles[s] is None]
         if len(cold) > 1 and self.source is not None:
             self.source.need(cold)
         for s in shard_ids:
-            if self._handles[s] is None:
-                self.handle(s)
-            self._sealed.move_to_end(shards[s].sha256)
+            if handles[s] is None:
+                self.handle(s, state)
+            if shards[s].sha256 in self._sealed:  # (another thread may have unmapped it meanwhile)
+                self._sealed.move_to_end(shards[s].sha256)
 
-    def _unmap(self, sha: str) -> None:
+    def _unmap(self, sha: str, handles: list[SealedShard | None]) -> None:
         old = self._sealed.pop(sha)
         sid = self._sealed_ids.pop(sha, None)
-        if sid is not None and sid < len(self._handles):
-            self._handles[sid] = None
+        for hs in (handles, self._handles):  # the batch's generation's, and the current one's
+            if sid is not None and sid < len(hs) and hs[sid] is old:
+                hs[sid] = None
         old.close()
 
     def _plan(self, layout_bytes: bytes) -> fmt.Plan:
@@ -388,18 +426,20 @@ class Reader:
         except CorruptDatasetError as e:
             raise CorruptDatasetError(f"{path}, slot {slot}: {e}") from None
 
-    def handle(self, shard_id: int) -> SealedShard:
-        """The mapped handle of a sealed shard, mapping it now if needed."""
-        h = self._handles[shard_id]
+    def handle(self, shard_id: int, state: tuple[Generation, list[SealedShard | None]] | None = None) -> SealedShard:
+        """The mapped handle of a sealed shard of the generation in `state` (the one read now
+        unless given), mapping it now if needed."""
+        gen, handles = state or self._state
+        h = handles[shard_id]
         if h is not None:
             return h
-        entry = self.gen.shards[shard_id]
+        entry = gen.shards[shard_id]
         h = self._sealed.get(entry.sha256)
         if h is None:
             h = self._map_shard(entry)
             self._sealed[entry.sha256] = h
         self._sealed_ids[entry.sha256] = shard_id
-        self._handles[shard_id] = h
+        handles[shard_id] = h
         return h
 
     def _map_shard(self, entry: ShardEntry) -> SealedShard:

@@ -63,11 +63,8 @@ class EnvRegistry:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._leftovers: list[Any] = []
-        self._pins: dict[int, tuple[Any, Any]] = {}  # key -> (env, read txn) of each tail snapshot
-        self._pin_keys = 0
 
     def _after_fork(self) -> None:
-        self._pins = {}  # the parent's pins, dropped (not ended) before their envs are closed
         for env, _n in self._envs.values():
             if self._busy.get(id(env)):
                 self._leftovers.append(env)
@@ -101,7 +98,10 @@ class EnvRegistry:
                 env = _open_tail(real, shard_size, create)
             else:
                 env = _open_existing_tail(real, shard_size)
-            key = _file_key(path) or ("path", real)
+            # keyed by the file now there -- or, if the name went meanwhile (a tail sealed and
+            # its name removed), by the file that was there before: never by a name alone when
+            # an inode is known, or a sealed name of the same file would open it a second time
+            key = _file_key(path) or key or ("path", real)
             self._envs[key] = [env, 1]
             return env
 
@@ -118,40 +118,14 @@ class EnvRegistry:
                         env.close()
                     return
 
-    def pin(self, env: lmdb.Environment) -> tuple[int, Any]:
-        """Begin a read transaction on `env` that stays open until `unpin` (a tail snapshot's:
-        LMDB reuses no page that it can reach), keeping the env open meanwhile; returns (its
-        key, the transaction). The registry holds the only reference to it, so that a forked
-        child drops the parent's pins before it closes the envs it inherited: py-lmdb (>= 3)
-        lets a child drop a transaction without ending it, while closing an env would end its
-        transactions -- and with them the parent's reader slots, in the shared lock file."""
+    def file_of(self, env: lmdb.Environment) -> tuple[int, int] | None:
+        """(device, inode) of the file `env` has open, as the registry keyed it when it opened it
+        (None if it is not in the registry, or was keyed by path)."""
         with self._lock:
-            if self._pid != os.getpid():
-                self._after_fork()
-            slot = next((s for s in self._envs.values() if s[0] is env), None)
-            if slot is None:
-                raise KeyError("pin: the env is not in the registry")
-            txn = env.begin()
-            slot[1] += 1
-            self._pin_keys += 1
-            self._pins[self._pin_keys] = (env, txn)
-            return self._pin_keys, txn
-
-    def unpin(self, key: int, pid: int) -> None:
-        """End the pin `key` made in process `pid` (nothing in any other process: a forked
-        child's registry no longer has it)."""
-        with self._lock:
-            if self._pid != os.getpid() or pid != self._pid:
-                return
-            got = self._pins.pop(key, None)
-        if got is None:
-            return
-        env, txn = got
-        try:
-            txn.abort()
-        except lmdb.Error:
-            pass
-        self.release(env)
+            for key, slot in self._envs.items():
+                if slot[0] is env:
+                    return (key[1], key[2]) if key[0] == "ino" else None
+        return None
 
     def mark_busy(self, env: lmdb.Environment, delta: int) -> None:
         """Count a transaction opened (+1) or ended (-1) on env."""

@@ -3,7 +3,8 @@ tail since the reader loaded the generation, from the shard it became.
 
 Reads of many tail records go through a TailSnapshot (store.tail_snapshot) once enough of them
 are asked for to pay for its walk of the tail's pages: the records are then read by memory map
-and record rows, as a sealed shard's are, not one LMDB `get` at a time.
+and record rows, as a sealed shard's are, not one LMDB `get` at a time -- as long as nothing was
+committed to the tail since the walk, which every read checks under its own transaction.
 
 The tail is the one part of a dataset a writer still changes, so its reads are the only ones
 that race a writer: a tail sealed (and its file removed) between a reader's load and its read
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +45,30 @@ class TailReads:
     def __init__(self, root: Path, map_shard: Callable[[ShardEntry], SealedShard]) -> None:
         self.root = root
         self._map_shard = map_shard
-        self._env: Any = None
+        # tail name -> [env, users, retired]: an env is used inside `_env_of` only, and let go
+        # once it is retired (release) and its last user is done -- never under another thread
+        self._envs: dict[str, list[Any]] = {}
         self._snap: TailSnapshot | None = None
         self._held: tuple[Generation, TailSnapshot] | None = None  # (a generation it serves, it): one attribute
         self._asked = 0  # tail records asked for since the snapshot was dropped (or a take failed)
+        self._share = SNAPSHOT_SHARE  # a snapshot is taken once asked * share >= the tail's records
         self._lock = threading.Lock()
 
     def release(self) -> None:
-        """Let the env go (another generation's tail is read from now on, or the reader closes);
-        the snapshot's pin ends when the last view of its map does."""
+        """Let the env and the snapshot go (another generation's tail is read from now on, or the
+        reader closes)."""
         with self._lock:
-            self._snap, self._held, self._asked = None, None, 0
-            if self._env is not None:
-                ENVS.release(self._env)
-            self._env = None
+            self._snap, self._held, self._asked, self._share = None, None, 0, SNAPSHOT_SHARE
+            for name, slot in list(self._envs.items()):
+                slot[2] = True
+                if slot[1] == 0:
+                    del self._envs[name]
+                    ENVS.release(slot[0])
 
     def forget(self) -> None:
-        """After fork: the parent's LMDB handle and snapshot must not be used or closed in the child."""
-        self._env, self._snap, self._held, self._asked = None, None, None, 0
+        """After fork: the parent's LMDB handle must not be used or closed in the child. The
+        snapshot holds none, and is kept: the child's reads check it under their own env."""
+        self._envs = {}
         self._lock = threading.Lock()
 
     def held(self, gen: Generation) -> TailSnapshot | None:
@@ -72,8 +80,8 @@ class TailReads:
         return snap if snap is not None and snap.path == gen.tail_path else None
 
     def snapshot(self, gen: Generation, asked: int) -> TailSnapshot | None:
-        """The snapshot to read `gen`'s tail records from, if one is held or worth taking now that
-        `asked` more of them are wanted; None: read them through LMDB (`values`)."""
+        """The snapshot to read `gen`'s tail records from (inside `reading`), if one is held or
+        worth taking now that `asked` more of them are wanted; None: read them through LMDB."""
         records = gen.manifest.tail.records
         with self._lock:
             snap = self._snap
@@ -81,31 +89,49 @@ class TailReads:
                 self._held = (gen, snap)
                 return snap
             self._asked += asked
-            if self._asked * SNAPSHOT_SHARE < records:
+            if self._asked * self._share < records:
                 return None
             self._asked = 0
-            env = self._open(gen)
-            if env is None:
-                return None
-            snap = self._snap = TailSnapshot.take(env, gen.tail_path, records)
+        with self._env_of(gen) as env:
+            snap = None if env is None else TailSnapshot.take(env, gen.tail_path, records)
+        with self._lock:
+            self._snap = snap
             self._held = None if snap is None else (gen, snap)
-            return snap
+        return snap
+
+    @contextmanager
+    def reading(self, gen: Generation, snap: TailSnapshot) -> Iterator[bool]:
+        """A read transaction for the block; True if `snap`'s rows may be read in it (no commit to
+        the tail since it was taken). A snapshot found stale is dropped, and the next one waits
+        for twice as many asks (a writer committing all the time would otherwise have the tail
+        walked again and again for a few reads each)."""
+        with self._env_of(gen) as env:
+            if env is None:  # sealed since we loaded: the LMDB path finds the sealed file
+                yield False
+                return
+            with snap.reading(env) as ok:
+                if not ok:
+                    with self._lock:
+                        if self._snap is snap:
+                            self._snap, self._held, self._asked = None, None, 0
+                            self._share = max(1, self._share // 2)
+                yield ok
 
     def values(self, gen: Generation, slots: list[int]) -> list[bytes]:
         """Copies of the tail records at `slots` (LMDB buffers die with their transaction)."""
-        env = self._open(gen)
-        if env is None:  # the tail was sealed since we loaded: same slots, now a sealed file
-            return self._former_values(gen, slots)
         out = []
-        try:
-            with ENVS.read(env) as txn:
-                for s in slots:
-                    v = txn.get(fmt.slot_key(s))
-                    if v is None:
-                        break
-                    out.append(v)
-        except lmdb.Error as e:
-            raise lmdb_error(gen.tail_path, e) from None
+        with self._env_of(gen) as env:
+            if env is None:  # the tail was sealed since we loaded: same slots, now a sealed file
+                return self._former_values(gen, slots)
+            try:
+                with ENVS.read(env) as txn:
+                    for s in slots:
+                        v = txn.get(fmt.slot_key(s))
+                        if v is None:
+                            break
+                        out.append(v)
+            except lmdb.Error as e:
+                raise lmdb_error(gen.tail_path, e) from None
         if len(out) < len(slots):
             if self._moved_on(gen):  # sealed or rewritten while we read: the sealed file, or a clear error
                 return self._former_values(gen, slots)
@@ -131,17 +157,43 @@ class TailReads:
                                         "open the dataset again") from None
             raise
 
-    def _open(self, gen: Generation) -> Any:
-        if self._env is None:
-            path = gen.tail_path
-            try:
-                check_lmdb_file(path)
-                self._env = open_tail_for_read(path, gen.manifest.shard_size)
-            except FileNotFoundError:
-                return None
-            except lmdb.Error as e:
-                raise lmdb_error(path, e) from None
-        return self._env
+    @contextmanager
+    def _env_of(self, gen: Generation) -> Iterator[Any]:
+        """The env of `gen`'s tail for the block (opened if needed), or None if that file is gone
+        (sealed since); kept open until the block ends, whatever release() does meanwhile."""
+        name = gen.manifest.tail.name
+        with self._lock:
+            slot = self._envs.get(name)
+            if slot is None or slot[2]:
+                path = gen.tail_path
+                try:
+                    check_lmdb_file(path)
+                    env = open_tail_for_read(path, gen.manifest.shard_size)
+                except FileNotFoundError:
+                    env = None
+                except lmdb.Error as e:
+                    raise lmdb_error(path, e) from None
+                if env is None:
+                    slot = None
+                else:
+                    old, slot = slot, [env, 0, False]
+                    self._envs[name] = slot
+                    if old is not None and old[1] == 0:  # (a retired one still in use lets go by itself)
+                        ENVS.release(old[0])
+            if slot is not None:
+                slot[1] += 1
+        if slot is None:
+            yield None
+            return
+        try:
+            yield slot[0]
+        finally:
+            with self._lock:
+                slot[1] -= 1
+                if slot[2] and slot[1] == 0:
+                    if self._envs.get(name) is slot:
+                        del self._envs[name]
+                    ENVS.release(slot[0])
 
     def _sealed_former_tail(self, gen: Generation) -> SealedShard:
         """The shard our tail was sealed into -- only in the same incarnation: after a "w"

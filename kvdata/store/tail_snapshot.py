@@ -5,29 +5,30 @@ newest records in an LMDB tail, and reading them one `txn.get` and one header pa
 cost 3-4x a sealed shard's vectorized path (issue 12: 0.24x a raw LMDB loop for 1 KiB records,
 0.38x np.memmap for images). A TailSnapshot gives the tail the sealed path's shape instead:
 
-- a read transaction on the tail's env is begun and held: LMDB never reuses a page that a live
-  reader's snapshot can reach, so every value of that snapshot stays where it is, byte for byte,
-  while the writer goes on appending (and seals, compacts or rewrites: those make new files);
-- the meta page of exactly that transaction gives the B-tree's root, and the tree is walked in
-  numpy (format.frames.lmdb_values) to the record rows of every slot, as a seal does; the meta is
-  read again after the walk and its entry count checked against the transaction's own, so a walk
-  that raced a writer is never used;
-- the file is mapped read-only here; reads slice that map by the rows.
+- under a read transaction, the meta page of exactly that transaction gives the B-tree's root,
+  and the tree is walked in numpy (format.frames.lmdb_values) to the record rows of every slot,
+  as a seal does; the meta is read again after the walk and its entry count checked against the
+  transaction's own, so a walk that raced a writer is never used. The transaction then ends:
+  nothing is held between reads (no reader slot, no pages kept from the writer);
+- the file is mapped read-only here, after checking it is the very file LMDB has open;
+- every read (`reading`) begins a read transaction and uses the rows only if that transaction is
+  the walked one -- no write has been committed since, so every page the rows point at is still
+  what the walk saw, and stays so while the transaction is open (LMDB reuses no page a live
+  reader's snapshot reaches). The values are copied out (or used, by get_batch, before the
+  transaction ends). After any commit to the tail the reads go through LMDB until a new snapshot
+  is taken.
 
-The transaction is held as long as the map is alive: the map's finalizer ends it, so views of
-tail records handed to callers stay valid as long as they exist, as sealed views do. A forked
-child never ends its parent's transaction (LMDB's reader slot lives in the shared lock file):
-the env registry holds it (ENVS.pin) and a child drops it unended. Anything in doubt (no such meta, a page the walk refuses, a
-symlink, another file under the tail's name) answers None and the caller reads through LMDB.
+It holds no LMDB handle, so a forked child may keep using it: its reads begin transactions on
+the child's own env.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import lmdb
 import numpy as np
@@ -38,64 +39,68 @@ from .shards import ENVS
 
 
 class TailSnapshot:
-    """The first `records` slots of a tail at one LMDB transaction: `rows` (format.RECORD_DTYPE,
-    offsets into `mm`), and the map as a sealed handle has it (`path`, `mm`, `u8`, `mv`)."""
+    """The first `records` slots of a tail as LMDB transaction `txnid` left them: `rows`
+    (format.RECORD_DTYPE, offsets into `mm`), and the map as a sealed handle has it (`path`,
+    `mm`, `u8`, `mv`). Valid to read only inside `reading`."""
 
-    __slots__ = ("path", "mm", "u8", "mv", "rows", "records", "__weakref__")
+    __slots__ = ("path", "mm", "u8", "mv", "rows", "records", "txnid", "file")
 
-    def __init__(self, path: Path, mm: mmap.mmap, rows: np.ndarray) -> None:
+    def __init__(self, path: Path, mm: mmap.mmap, rows: np.ndarray, txnid: int, file: tuple[int, int]) -> None:
         self.path = path
         self.mm = mm
         self.u8 = np.frombuffer(mm, dtype=np.uint8)
         self.mv = memoryview(mm)
         self.rows = rows
         self.records = len(rows)
+        self.txnid = txnid
+        self.file = file  # (st_dev, st_ino) of the mapped file
 
     @classmethod
     def take(cls, env: lmdb.Environment, path: Path, records: int) -> TailSnapshot | None:
         """A snapshot of the tail file at `path` (whose env is `env`) holding at least `records`
         slots, or None when it cannot be taken safely (the caller reads through LMDB)."""
-        pid = os.getpid()
-        try:
-            key, txn = ENVS.pin(env)
-        except lmdb.Error:  # no reader slot left, say: the LMDB path reports what it meets
-            return None
         mm: mmap.mmap | None = None
         rows: np.ndarray | None = None
         try:
-            mm = _map_same_file(path, env)
-            rows = None if mm is None else _rows_at(mm, txn, records)
+            with ENVS.read(env) as txn:
+                txnid = txn.id()
+                mm, file = _map_same_file(path, env)
+                if mm is not None:
+                    rows = _rows_at(mm, txnid, txn.stat()["entries"], records)
         except (lmdb.Error, OSError, ValueError, BufferError):
             rows = None
-        finally:
-            if rows is None:
-                _close_quiet(mm)
-                ENVS.unpin(key, pid)
         if rows is None or mm is None:
+            _close_quiet(mm)
             return None
-        del txn  # the registry holds it (ENVS.pin)
-        weakref.finalize(mm, ENVS.unpin, key, pid)  # the pin ends with the last view of the map
-        return cls(path, mm, rows)
+        return cls(path, mm, rows, txnid, file)
+
+    @contextmanager
+    def reading(self, env: lmdb.Environment) -> Iterator[bool]:
+        """A read transaction on the tail's env (`env`: this process's), open for the block; True
+        if the rows may be used in it (no commit since the walk, and env still has the mapped
+        file open), False: read through LMDB."""
+        with ENVS.read(env) as txn:
+            yield txn.id() == self.txnid and ENVS.file_of(env) == self.file
 
 
-def _map_same_file(path: Path, env: lmdb.Environment) -> mmap.mmap | None:
-    """A read-only map of the file at `path` if it is a regular file and the one `env` has open
-    (a name never followed through a link); else None."""
+def _map_same_file(path: Path, env: lmdb.Environment) -> tuple[mmap.mmap | None, tuple[int, int]]:
+    """A read-only map of the file at `path` if it is a regular file and the very one `env` has
+    open (the registry's (device, inode) of it: a file swapped in under the name since is never
+    mapped; a name never followed through a link), and its (device, inode); else (None, ...)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
-        env_st = os.stat(env.path())
-        if (st.st_dev, st.st_ino) != (env_st.st_dev, env_st.st_ino) or st.st_size < 2 * 512:
-            return None
-        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        file = (st.st_dev, st.st_ino)
+        if file != ENVS.file_of(env) or st.st_size < 2 * 512:
+            return None, file
+        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), file
     finally:
         os.close(fd)
 
 
-def _rows_at(mm: mmap.mmap, txn: Any, records: int) -> np.ndarray | None:
-    """The record rows of slots [0, records) in the snapshot of `txn`, or None if in doubt."""
-    txnid = txn.id()
-    entries = txn.stat()["entries"]
+def _rows_at(mm: mmap.mmap, txnid: int, entries: int, records: int) -> np.ndarray | None:
+    """The record rows of slots [0, records) as transaction `txnid` (of `entries` records) left
+    them, or None if in doubt. The caller holds that transaction open."""
     if entries < records:
         return None
     with memoryview(mm) as mv:

@@ -1,12 +1,13 @@
 """Reads of a live tail by memory map (store.tail_snapshot): a dataset written with mode "a" keeps
 its last shard as an LMDB tail, and its records are read like a sealed shard's once enough of them
-are asked for -- the same values as through LMDB, views that stay valid while the writer goes on
-appending (the snapshot's read transaction pins their pages), and forked children that neither
-lose their parent's pin nor fail to read the tail themselves.
+are asked for -- the same values as through LMDB, never a row used after the writer committed
+again (each read checks, under its own transaction), no reader slot held between reads, forked
+children reading by their parent's walk, and a tail swapped in under its name never mapped.
 """
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
 import random
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -126,27 +128,35 @@ def _small(i: int) -> bytes:
     return np.random.default_rng(i).bytes(1000)
 
 
-def test_views_of_tail_records_stay_valid_while_the_writer_appends(tmp_path: Path) -> None:
-    """The last records of a tail lie on the leaf page that every later write transaction copies
-    and frees; without the snapshot's pin, those freed pages are written over by the next ones."""
+def test_tail_reads_after_the_writer_commits_again_stay_right_and_hold_no_reader_slot(tmp_path: Path) -> None:
+    """A snapshot is used only while nothing was committed to the tail since its walk: the last
+    records lie on the leaf page every later write transaction copies and frees, and those pages
+    are written over by the next ones. Between reads the reader holds no LMDB reader slot, so an
+    idle reader keeps no page from the writer."""
     p = tmp_path / "a.kv"
     _append(p, 0, 200, 2)
     store = kvdata.open(p)
-    views = store.get_many(range(len(store)))
-    assert _tail_snapshot(store) is not None and all(isinstance(v, memoryview) for v in views)
-    tail = p / "shards" / store.manifest.tail.name
-    mine = _readers_of(tail)
-    assert str(os.getpid()) in mine  # the pin: a reader slot of this process
-    store.refresh()
-    store.close()  # the reader lets go of its snapshot; the views still hold its map, and the pin
-    _append(p, 200, 3000, 300)  # 300 write transactions, each freeing the pages it copied
-    for i, v in enumerate(views):
-        assert bytes(v) == _small(i), f"view of sample {i} changed under the reader"
-    assert str(os.getpid()) in _readers_of(tail)
-    del views, v
-    assert str(os.getpid()) not in _readers_of(tail)  # the last view gone: the pin is ended
-    with kvdata.open(p) as s:
-        assert all(bytes(v) == _small(i) for i, v in enumerate(s.get_many(range(len(s)))))
+    try:
+        first = store.get_many(range(len(store)))
+        snap = _tail_snapshot(store)
+        assert snap is not None and all(isinstance(v, bytes) for v in first)  # tail records are copies
+        tail = p / "shards" / store.manifest.tail.name
+        assert str(os.getpid()) not in _readers_of(tail)  # nothing held between reads
+        _append(p, 200, 3000, 300)  # 300 write transactions, each freeing the pages it copied
+        assert all(bytes(v) == _small(i) for i, v in enumerate(first))
+        again = store.get_many(range(200))  # same generation: the snapshot is stale, LMDB reads
+        assert _tail_snapshot(store) is None
+        assert all(bytes(v) == _small(i) for i, v in enumerate(again))
+        assert all(bytes(store[i]) == _small(i) for i in (0, 150, 198, 199))
+        store.refresh()
+        n = len(store)
+        assert n == 3200
+        got = store.get_many(range(n))  # a whole pass: a new snapshot, of the new commit
+        assert _tail_snapshot(store) is not None and _tail_snapshot(store) is not snap
+        assert all(bytes(v) == _small(i) for i, v in enumerate(got))
+        assert str(os.getpid()) not in _readers_of(tail)
+    finally:
+        store.close()
 
 
 _FORKED: kvdata.Store | None = None
@@ -156,23 +166,24 @@ def _child_reads(q: Any, n: int, normal_exit: bool) -> None:
     assert _FORKED is not None
     try:
         got = [bytes(v) == _small(i) for i, v in enumerate(_FORKED.get_many(range(n)))]
-        q.put(("ok", all(got) and len(got) == n))
+        q.put(("ok", all(got) and len(got) == n and _tail_snapshot(_FORKED) is not None))
     except BaseException as e:  # reported to the parent
         q.put(("error", repr(e)))
     if normal_exit:
-        sys.exit(0)  # interpreter shutdown in the child: nothing of the parent's pin may end
+        sys.exit(0)  # interpreter shutdown in the child
 
 
 @pytest.mark.parametrize("normal_exit", [False, True])
-def test_forked_child_reads_the_tail_and_the_parents_pin_holds(tmp_path: Path, normal_exit: bool) -> None:
+def test_forked_children_read_the_tail_by_the_parents_snapshot(tmp_path: Path, normal_exit: bool) -> None:
+    """A snapshot holds no LMDB handle: forked children use the walk their parent made, each read
+    checked under the child's own transaction."""
     global _FORKED
     p = tmp_path / "a.kv"
     _append(p, 0, 300, 3)
     _FORKED = kvdata.open(p)
     try:
-        views = _FORKED.get_many(range(300))
+        _FORKED.get_many(range(300))
         assert _tail_snapshot(_FORKED) is not None
-        tail = p / "shards" / _FORKED.manifest.tail.name
         ctx = mp.get_context("fork")
         q = ctx.Queue()
         procs = [ctx.Process(target=_child_reads, args=(q, 300, normal_exit)) for _ in range(2)]
@@ -182,9 +193,8 @@ def test_forked_child_reads_the_tail_and_the_parents_pin_holds(tmp_path: Path, n
         for proc in procs:
             proc.join(60)
         assert results == [("ok", True)] * 2 and all(proc.exitcode == 0 for proc in procs)
-        assert str(os.getpid()) in _readers_of(tail)  # the children did not end the parent's pin
         _append(p, 300, 2000, 200)
-        assert all(bytes(v) == _small(i) for i, v in enumerate(views))
+        assert all(bytes(v) == _small(i) for i, v in enumerate(_FORKED.get_many(range(300))))
     finally:
         _FORKED.close()
         _FORKED = None
@@ -212,38 +222,117 @@ def test_a_snapshot_whose_meta_was_overwritten_is_refused(tmp_path: Path) -> Non
     _append(p, 0, 50, 1)
     store = kvdata.open(p)
     try:
-        env = store._reader._tail._open(store._reader.gen)
-        key, txn = ENVS.pin(env)
-        try:
+        with store._reader._tail._env_of(store._reader.gen) as env, ENVS.read(env) as txn:
+            txnid, entries = txn.id(), txn.stat()["entries"]
             _append(p, 50, 40, 4)  # four more write transactions: both meta pages rewritten
-            import mmap
             with open(store._reader.gen.tail_path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
             try:
-                assert tail_snapshot._rows_at(mm, txn, 50) is None
+                assert tail_snapshot._rows_at(mm, txnid, entries, 50) is None
             finally:
                 mm.close()
-        finally:
-            ENVS.unpin(key, os.getpid())
         assert all(bytes(v) == _small(i) for i, v in enumerate(store.get_many(range(50))))
     finally:
         store.close()
 
 
-def test_a_tail_name_that_is_a_symlink_is_not_mapped(tmp_path: Path) -> None:
+def test_a_tail_name_that_is_a_symlink_or_another_file_is_not_mapped(tmp_path: Path) -> None:
     p = tmp_path / "a.kv"
     _append(p, 0, 50, 1)
     store = kvdata.open(p)
     try:
-        env = store._reader._tail._open(store._reader.gen)
+        tail = store._reader.gen.tail_path
         link = tmp_path / "link.mdb"
-        link.symlink_to(store._reader.gen.tail_path)
-        assert TailSnapshot.take(env, link, 50) is None  # O_NOFOLLOW: never mapped through a link
+        link.symlink_to(tail)
         other = tmp_path / "other.mdb"
-        other.write_bytes(store._reader.gen.tail_path.read_bytes())
-        assert TailSnapshot.take(env, other, 50) is None  # another file under the name: not the env's
+        other.write_bytes(tail.read_bytes())
+        with store._reader._tail._env_of(store._reader.gen) as env:
+            assert TailSnapshot.take(env, link, 50) is None  # O_NOFOLLOW: never mapped through a link
+            assert TailSnapshot.take(env, other, 50) is None  # another file: not the one the env has open
+            assert TailSnapshot.take(env, tail, 50) is not None
     finally:
         store.close()
+
+
+def test_a_tail_file_swapped_in_under_its_name_is_never_read_by_map(tmp_path: Path) -> None:
+    """Someone who may write the directory replaces the tail (same name, a new inode, a value
+    changed): the reader's env has the genuine file open, and the swapped-in bytes are never
+    mapped and served as if they were the env's."""
+    p = tmp_path / "a.kv"
+    _append(p, 0, 50, 1)
+    store = kvdata.open(p)
+    try:
+        store.get_many([0])  # the env has the genuine tail open
+        tail = store._reader.gen.tail_path
+        data = bytearray(tail.read_bytes())
+        at = data.find(_small(7))
+        assert at > 0
+        data[at:at + 5] = b"EVIL!"
+        fake = tail.with_name(tail.name + ".new")
+        fake.write_bytes(bytes(data))
+        os.replace(fake, tail)
+        got = store.get_many(range(50))
+        assert _tail_snapshot(store) is None
+        assert all(bytes(v) == _small(i) for i, v in enumerate(got))
+    finally:
+        store.close()
+
+
+def test_threads_reading_while_another_refreshes_never_mix_generations(tmp_path: Path) -> None:
+    """Reader threads and a thread calling refresh() share one Store while a writer process
+    appends, commits and seals: every read comes from one generation (values name their keys)."""
+    p = tmp_path / "a.kv"
+    with kvdata.open(p, "a", shard_size="64KB") as w:
+        for i in range(100):
+            w.put(f"k{i:06d}", f"k{i:06d}|".encode() * 30)
+    code = textwrap.dedent("""
+        import sys, kvdata
+        with kvdata.open(sys.argv[1], "a", shard_size="64KB") as w:
+            for i in range(100, 2600):
+                w.put(f"k{i:06d}", f"k{i:06d}|".encode() * 30)
+                if i % 10 == 0:
+                    w.commit()
+                if i % 200 == 0:
+                    w.seal()
+                    w.commit()
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", code, str(p)])
+    store = kvdata.open(p)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                n = len(store)
+                idx = list(range(max(0, n - 300), n))
+                for i, v in zip(idx, store.get_many(idx)):
+                    text = bytes(v).decode()
+                    if text != f"k{i:06d}|" * 30:
+                        errors.append(f"sample {i}: {text[:8]}")
+                        return
+            except Exception as e:  # reported below
+                errors.append(repr(e))
+                return
+
+    def refresh() -> None:
+        while not stop.is_set():
+            store.refresh()
+
+    threads = [threading.Thread(target=read) for _ in range(2)] + [threading.Thread(target=refresh)]
+    try:
+        for t in threads:
+            t.start()
+        writer.wait(timeout=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        store.close()
+    assert writer.returncode == 0 and not errors, errors[:5]
 
 
 def test_readers_reading_whole_tails_while_a_writer_commits_seals_and_rewrites(tmp_path: Path) -> None:
