@@ -38,7 +38,8 @@ SNAPSHOT_SHARE = 16
 
 
 class TailReads:
-    """The LMDB env of one reader's current tail (opened on first use) and the reads through it.
+    """The LMDB envs of one reader's tails (opened on first use, lent to each read) and the reads
+    through them, or through a TailSnapshot.
 
     `map_shard` maps a sealed shard as the reader does (in place, or a tier's copy)."""
 
@@ -99,23 +100,19 @@ class TailReads:
             self._held = None if snap is None else (gen, snap)
         return snap
 
-    @contextmanager
-    def reading(self, gen: Generation, snap: TailSnapshot) -> Iterator[bool]:
-        """A read transaction for the block; True if `snap`'s rows may be read in it (no commit to
-        the tail since it was taken). A snapshot found stale is dropped, and the next one waits
-        for twice as many asks (a writer committing all the time would otherwise have the tail
-        walked again and again for a few reads each)."""
-        with self._env_of(gen) as env:
-            if env is None:  # sealed since we loaded: the LMDB path finds the sealed file
-                yield False
-                return
-            with snap.reading(env) as ok:
-                if not ok:
-                    with self._lock:
-                        if self._snap is snap:
-                            self._snap, self._held, self._asked = None, None, 0
-                            self._share = max(1, self._share // 2)
-                yield ok
+    def reading(self, gen: Generation, snap: TailSnapshot) -> SnapshotRead:
+        """A read transaction for a `with` block, which gets True if `snap`'s rows may be read in
+        it (no commit to the tail since it was taken; store.tail_snapshot)."""
+        return SnapshotRead(self, gen, snap)
+
+    def _stale(self, snap: TailSnapshot) -> None:
+        """`snap` met a commit: dropped, and the next one waits for twice as many asks (a writer
+        committing all the time would otherwise have the tail walked again and again for a few
+        reads each)."""
+        with self._lock:
+            if self._snap is snap:
+                self._snap, self._held, self._asked = None, None, 0
+                self._share = max(1, self._share // 2)
 
     def values(self, gen: Generation, slots: list[int]) -> list[bytes]:
         """Copies of the tail records at `slots` (LMDB buffers die with their transaction)."""
@@ -161,6 +158,16 @@ class TailReads:
     def _env_of(self, gen: Generation) -> Iterator[Any]:
         """The env of `gen`'s tail for the block (opened if needed), or None if that file is gone
         (sealed since); kept open until the block ends, whatever release() does meanwhile."""
+        slot = self._borrow(gen)
+        try:
+            yield None if slot is None else slot[0]
+        finally:
+            if slot is not None:
+                self._give_back(slot)
+
+    def _borrow(self, gen: Generation) -> list[Any] | None:
+        """The lease slot [env, users, retired, (device, inode), name] of `gen`'s tail, one user
+        more (give it back with _give_back), or None if that file is gone."""
         name = gen.manifest.tail.name
         with self._lock:
             slot = self._envs.get(name)
@@ -170,30 +177,23 @@ class TailReads:
                     check_lmdb_file(path)
                     env = open_tail_for_read(path, gen.manifest.shard_size)
                 except FileNotFoundError:
-                    env = None
+                    return None
                 except lmdb.Error as e:
                     raise lmdb_error(path, e) from None
-                if env is None:
-                    slot = None
-                else:
-                    old, slot = slot, [env, 0, False]
-                    self._envs[name] = slot
-                    if old is not None and old[1] == 0:  # (a retired one still in use lets go by itself)
-                        ENVS.release(old[0])
-            if slot is not None:
-                slot[1] += 1
-        if slot is None:
-            yield None
-            return
-        try:
-            yield slot[0]
-        finally:
-            with self._lock:
-                slot[1] -= 1
-                if slot[2] and slot[1] == 0:
-                    if self._envs.get(name) is slot:
-                        del self._envs[name]
-                    ENVS.release(slot[0])
+                old, slot = slot, [env, 0, False, ENVS.file_of(env), name]
+                self._envs[name] = slot
+                if old is not None and old[1] == 0:  # (a retired one still in use lets go by itself)
+                    ENVS.release(old[0])
+            slot[1] += 1
+            return slot
+
+    def _give_back(self, slot: list[Any]) -> None:
+        with self._lock:
+            slot[1] -= 1
+            if slot[2] and slot[1] == 0:
+                if self._envs.get(slot[4]) is slot:
+                    del self._envs[slot[4]]
+                ENVS.release(slot[0])
 
     def _sealed_former_tail(self, gen: Generation) -> SealedShard:
         """The shard our tail was sealed into -- only in the same incarnation: after a "w"
@@ -231,3 +231,43 @@ def lmdb_value(h: SealedShard, slot: int) -> bytes:
         raise lmdb_error(h.path, e) from None
     except FileNotFoundError:  # removed since it was mapped (LMDB opens it again by name)
         raise MissingShardError(f"shard {h.path} is gone since it was mapped; open the dataset again") from None
+
+
+class SnapshotRead:
+    """TailReads.reading: `with` it to get whether a snapshot's rows may be read, inside one read
+    transaction of the tail's env, which stays open until the block ends. A class, not a
+    generator context: store[i] of a tail record pays for it on every call."""
+
+    __slots__ = ("_reads", "_gen", "_snap", "_slot", "_txn")
+
+    def __init__(self, reads: TailReads, gen: Generation, snap: TailSnapshot) -> None:
+        self._reads, self._gen, self._snap = reads, gen, snap
+        self._slot: list[Any] | None = None
+        self._txn: Any = None
+
+    def __enter__(self) -> bool:
+        slot = self._slot = self._reads._borrow(self._gen)
+        if slot is None:  # sealed since we loaded: the LMDB path finds the sealed file
+            return False
+        env = slot[0]
+        ENVS.mark_busy(env, 1)
+        try:
+            self._txn = env.begin()
+            ok = self._txn.id() == self._snap.txnid and slot[3] == self._snap.file
+        except lmdb.Error:
+            ok = False
+        if not ok:
+            self._reads._stale(self._snap)
+        return ok
+
+    def __exit__(self, *exc: object) -> None:
+        slot, txn = self._slot, self._txn
+        self._slot = self._txn = None
+        if slot is None:
+            return
+        try:
+            if txn is not None:
+                txn.abort()
+        finally:
+            ENVS.mark_busy(slot[0], -1)
+            self._reads._give_back(slot)

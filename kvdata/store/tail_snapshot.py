@@ -11,8 +11,8 @@ cost 3-4x a sealed shard's vectorized path (issue 12: 0.24x a raw LMDB loop for 
   transaction's own, so a walk that raced a writer is never used. The transaction then ends:
   nothing is held between reads (no reader slot, no pages kept from the writer);
 - the file is mapped read-only here, after checking it is the very file LMDB has open;
-- every read (`reading`) begins a read transaction and uses the rows only if that transaction is
-  the walked one -- no write has been committed since, so every page the rows point at is still
+- every read (store.tail_reads.SnapshotRead) begins a read transaction and uses the rows only if
+  that transaction is the walked one -- no write has been committed since, so every page the rows point at is still
   what the walk saw, and stays so while the transaction is open (LMDB reuses no page a live
   reader's snapshot reaches). The values are copied out (or used, by get_batch, before the
   transaction ends). After any commit to the tail the reads go through LMDB until a new snapshot
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -41,7 +39,8 @@ from .shards import ENVS
 class TailSnapshot:
     """The first `records` slots of a tail as LMDB transaction `txnid` left them: `rows`
     (format.RECORD_DTYPE, offsets into `mm`), and the map as a sealed handle has it (`path`,
-    `mm`, `u8`, `mv`). Valid to read only inside `reading`."""
+    `mm`, `u8`, `mv`). Valid to read only inside a transaction that is `txnid` itself, of an env
+    that has the file `file` open (store.tail_reads.SnapshotRead)."""
 
     __slots__ = ("path", "mm", "u8", "mv", "rows", "records", "txnid", "file")
 
@@ -73,14 +72,6 @@ class TailSnapshot:
             _close_quiet(mm)
             return None
         return cls(path, mm, rows, txnid, file)
-
-    @contextmanager
-    def reading(self, env: lmdb.Environment) -> Iterator[bool]:
-        """A read transaction on the tail's env (`env`: this process's), open for the block; True
-        if the rows may be used in it (no commit since the walk, and env still has the mapped
-        file open), False: read through LMDB."""
-        with ENVS.read(env) as txn:
-            yield txn.id() == self.txnid and ENVS.file_of(env) == self.file
 
 
 def _map_same_file(path: Path, env: lmdb.Environment) -> tuple[mmap.mmap | None, tuple[int, int]]:
