@@ -26,6 +26,7 @@ from ..errors import CorruptDatasetError, InvalidKeyError, InvalidValueError, Mi
 from ..format import ShardEntry, names
 from . import record_metas
 from .generation import Generation
+from .record_metas import State
 from .shards import SealedShard
 from .source import ShardSource
 from .stacking import Alloc, Copier
@@ -43,6 +44,17 @@ LOCATE_ATTEMPTS = 3   # a staged copy may vanish between being located and being
 _PAGE_MASK = ~(mmap.PAGESIZE - 1)
 _HEAD_MASK = fmt.MAX_HEAD
 _KIND_SHIFT = fmt.KIND_SHIFT
+
+
+def _own_bytes(out: list[Any], at: np.ndarray) -> None:
+    """Bytes fields of the records out[at] as copies instead of views (of a tail snapshot's map,
+    valid only until its read transaction ends)."""
+    for j in at.tolist():
+        rec = out[j]
+        if isinstance(rec, dict):
+            for name, v in rec.items():
+                if type(v) is memoryview:
+                    rec[name] = bytes(v)
 
 
 def _plain(hk: int) -> bool:
@@ -70,7 +82,7 @@ class Reader:
         self._readahead = readahead
         # the generation read and its shards' handles, replaced as one by load(): a read takes
         # both once, so a load() from another thread never mixes two generations in one batch
-        self._state: tuple[Generation, list[SealedShard | None]] = (gen, [None] * len(gen.shards))
+        self._state: State = (gen, [None] * len(gen.shards))
 
     @property
     def gen(self) -> Generation:
@@ -79,6 +91,11 @@ class Reader:
     @property
     def _handles(self) -> list[SealedShard | None]:
         return self._state[1]
+
+    @property
+    def state(self) -> State:
+        """The generation read now and its shards' handles, as one (a read takes it once)."""
+        return self._state
 
     # ------------------------------------------------------------ lifecycle
 
@@ -188,10 +205,10 @@ class Reader:
         return self._get_many(indices, copy, self._state)
 
     def _get_many(self, indices: Sequence[int] | np.ndarray, copy: bool,
-                  state: tuple[Generation, list[SealedShard | None]], hold: ExitStack | None = None) -> list[Any]:
-        """get_many of the generation in `state`. With `hold`, tail records read by snapshot are
-        views, valid until `hold` closes (the read transaction stays open in it): get_batch
-        stacks them before that."""
+                  state: State, hold: ExitStack | None = None) -> list[Any]:
+        """get_many of the generation in `state`. With `hold` (and not copy), the array fields of
+        tail records read by snapshot are views, valid until `hold` closes (the read transaction
+        stays open in it): get_batch stacks them before that; their other fields are copies."""
         gen, handles = state
         pos = self.positions(indices, gen)
         index = gen.index
@@ -235,8 +252,10 @@ class Reader:
             with ExitStack() as own:
                 if (hold or own).enter_context(self._tail.reading(gen, snap)):
                     r = snap.rows[tail_slots]
-                    self._decode_rows(out, tail_at, repeat(snap, len(tail_at)), r, r["head_kind"],
-                                      copy or hold is None)
+                    views = hold is not None and not copy
+                    self._decode_rows(out, tail_at, repeat(snap, len(tail_at)), r, r["head_kind"], not views)
+                    if views:  # get_batch copies array fields into the batch; any other field is
+                        _own_bytes(out, tail_at)  # handed on as it is, and must outlive the transaction
                     return
         for j, sl, v in zip(tail_at.tolist(), tail_slots.tolist(), self._tail.values(gen, tail_slots.tolist())):
             out[j] = self._decode_at(gen.tail_path, sl, v, copy)
@@ -265,7 +284,7 @@ class Reader:
             except CorruptDatasetError as e:
                 raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
 
-    def _read_records(self, state: tuple[Generation, list[SealedShard | None]], where: np.ndarray, sh: np.ndarray,
+    def _read_records(self, state: State, where: np.ndarray, sh: np.ndarray,
                       slots: np.ndarray, r: np.ndarray, hk: np.ndarray, out: list[Any], copy: bool) -> np.ndarray | None:
         """Samples of a batch whose shard has no mapped copy and which the source does not want
         whole: their records come from `source.read_records` (every shard of the batch in one
@@ -348,7 +367,7 @@ class Reader:
             raise InvalidValueError(f"{self.root}: field {e.args[0]!r} is missing from some records of this batch; "
                                     "pass fields= that every record has, or read them with get_many") from None
 
-    def _advise_willneed(self, state: tuple[Generation, list[SealedShard | None]], sh: np.ndarray, r: np.ndarray,
+    def _advise_willneed(self, state: State, sh: np.ndarray, r: np.ndarray,
                          hk: np.ndarray) -> None:
         """Readahead hints for a batch's large values -- unless a few probes (mincore) find
         them already in the page cache, where a hint per value is only syscall overhead."""
@@ -369,7 +388,7 @@ class Reader:
             a0 = a & _PAGE_MASK
             h.mm.madvise(mmap.MADV_WILLNEED, a0, b - a0)
 
-    def _touch(self, state: tuple[Generation, list[SealedShard | None]], shard_ids: list[int]) -> None:
+    def _touch(self, state: State, shard_ids: list[int]) -> None:
         """Mark shards as just used, and unmap the least recently used beyond max_open
         (their memory stays valid for views already handed out; only the lock is dropped).
 
@@ -426,7 +445,7 @@ class Reader:
         except CorruptDatasetError as e:
             raise CorruptDatasetError(f"{path}, slot {slot}: {e}") from None
 
-    def handle(self, shard_id: int, state: tuple[Generation, list[SealedShard | None]] | None = None) -> SealedShard:
+    def handle(self, shard_id: int, state: State | None = None) -> SealedShard:
         """The mapped handle of a sealed shard of the generation in `state` (the one read now
         unless given), mapping it now if needed."""
         gen, handles = state or self._state
@@ -464,13 +483,9 @@ class Reader:
 
     # ------------------------------------------------------------ tail and metadata (tail_reads, record_metas)
 
-    def tail_values(self, slots: list[int]) -> list[bytes]:
-        """Copies of tail records (TailReads.values)."""
-        return self._tail.values(self.gen, slots)
-
-    def mapped(self, shard_id: int) -> SealedShard | None:
-        """The shard's mapped handle if it is mapped now."""
-        return self._handles[shard_id]
+    def tail_values(self, slots: list[int], gen: Generation | None = None) -> list[bytes]:
+        """Copies of tail records of `gen` (the one read now unless given; TailReads.values)."""
+        return self._tail.values(gen or self.gen, slots)
 
     def metas(self, positions: Any) -> list[tuple[int, dict[str, Any]]]:
         """(kind, meta) of the records at sample positions: keys and labels without payloads."""

@@ -22,6 +22,9 @@ from .shards import SealedShard
 from .source import ShardSource
 from .tail_reads import lmdb_value
 
+# what a Reader reads at one moment: a generation and its shards' handles (Reader._state)
+State = tuple[Generation, list[SealedShard | None]]
+
 _HEAD_MASK = fmt.MAX_HEAD
 
 
@@ -34,22 +37,24 @@ class HeaderSource(Protocol):
 
     @property
     def gen(self) -> Generation: ...
-    def positions(self, indices: Any) -> np.ndarray: ...
-    def mapped(self, shard_id: int) -> SealedShard | None: ...
-    def handle(self, shard_id: int) -> SealedShard: ...
-    def tail_values(self, slots: list[int]) -> list[bytes]: ...
+    @property
+    def state(self) -> State: ...
+    def positions(self, indices: Any, gen: Generation | None = None) -> np.ndarray: ...
+    def handle(self, shard_id: int, state: State | None = None) -> SealedShard: ...
+    def tail_values(self, slots: list[int], gen: Generation | None = None) -> list[bytes]: ...
 
 
-def _remote_metas(r: HeaderSource, shard: np.ndarray, slot: np.ndarray, rec: np.ndarray, out: list[Any]) -> None:
+def _remote_metas(r: HeaderSource, st: State, shard: np.ndarray, slot: np.ndarray, rec: np.ndarray,
+                  out: list[Any]) -> None:
     """Headers of sealed records in shards the source does not want whole (a key lookup in
     random mode), read record by record instead of staging the shard; fills `out`."""
     source = r.source
     if source is None:
         return
     sealed = rec >= 0
-    shards = r.gen.shards
+    shards, handles = st[0].shards, st[1]
     cold = [s for s in np.unique(shard[sealed]).tolist()  # per shard, not per sample
-            if r.mapped(s) is None and not source.wants_whole(shards[s])]
+            if handles[s] is None and not source.wants_whole(shards[s])]
     if not cold:
         return
     groups = [np.nonzero(sealed & (shard == s))[0].tolist() for s in cold]
@@ -68,23 +73,26 @@ def _remote_metas(r: HeaderSource, shard: np.ndarray, slot: np.ndarray, rec: np.
                 raise CorruptDatasetError(f"shard {entry.name} from {source.home.url}, slot {int(slot[j])}: {e}") from None
 
 
-def metas(r: HeaderSource, positions: Any) -> list[tuple[int, dict[str, Any]]]:
-    """(kind, meta) of the records at sample positions: keys and labels without payloads."""
-    pos = r.positions(positions)
-    index = r.gen.index
+def metas(r: HeaderSource, positions: Any, st: State | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """(kind, meta) of the records at sample positions of the generation in `st` (the one read
+    now unless given, taken once): keys and labels without payloads."""
+    st = st or r.state
+    gen, handles = st
+    pos = r.positions(positions, gen)
+    index = gen.index
     shard, slot, rec = index.resolve(pos)
     out: list[Any] = [None] * len(pos)
     tail_at: list[int] = []
     offs = np.zeros(len(pos), np.uint64)
     offs[rec >= 0] = index.records["offset"][rec[rec >= 0]]
-    _remote_metas(r, shard, slot, rec, out)
+    _remote_metas(r, st, shard, slot, rec, out)
     for j, (s, rc, off) in enumerate(zip(shard.tolist(), rec.tolist(), offs.tolist())):
         if rc < 0:
             tail_at.append(j)
             continue
         if out[j] is not None:  # read record by record from the home
             continue
-        h = r.mapped(s) or r.handle(s)
+        h = handles[s] or r.handle(s, st)
         if off == int(fmt.UNKNOWN_OFFSET):
             sl = int(slot[j])
             v = lmdb_value(h, sl)
@@ -95,7 +103,7 @@ def metas(r: HeaderSource, positions: Any) -> list[tuple[int, dict[str, Any]]]:
                 raise CorruptDatasetError(f"{h.path}, slot {sl}: {e}") from None
             continue
         if off + fmt.PREFIX_SIZE > len(h.mv):
-            raise CorruptDatasetError(f"index file {r.root / names.INDEX_DIR / str(r.gen.manifest.index.records)}: "
+            raise CorruptDatasetError(f"index file {r.root / names.INDEX_DIR / str(gen.manifest.index.records)}: "
                                       f"the row of sample {int(pos[j])} points past the end of shard {h.path}; "
                                       f"run `kvdata reindex {r.root}`")
         try:
@@ -105,12 +113,12 @@ def metas(r: HeaderSource, positions: Any) -> list[tuple[int, dict[str, Any]]]:
         except CorruptDatasetError as e:
             raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
     if tail_at:
-        for j, v in zip(tail_at, r.tail_values([int(slot[j]) for j in tail_at])):
+        for j, v in zip(tail_at, r.tail_values([int(slot[j]) for j in tail_at], gen)):
             try:
                 hd = fmt.RecordHeader(v)
                 out[j] = (hd.kind, hd.meta(v))
             except CorruptDatasetError as e:
-                raise CorruptDatasetError(f"{r.gen.tail_path}, slot {int(slot[j])}: {e}") from None
+                raise CorruptDatasetError(f"{gen.tail_path}, slot {int(slot[j])}: {e}") from None
     return out
 
 
@@ -118,17 +126,20 @@ def find(r: HeaderSource, key: str | bytes) -> int | None:
     """Sample index of `key`, or None."""
     kb = fmt.check_key(key)
     skey = kb.decode("utf-8")
-    index = r.gen.index
+    st = r.state
+    index = st[0].index
     for p in index.candidates(fmt.key_hash(kb)):
-        if p < index.count and key_at(r, p) == skey:
+        if p < index.count and key_at(r, p, st) == skey:
             return p
     return None
 
 
-def key_at(r: HeaderSource, p: int) -> Any:
-    """The key stored in the record of sample p: read from the header of a sealed record in
-    place with scalar work; else through metas."""
-    index = r.gen.index
+def key_at(r: HeaderSource, p: int, st: State | None = None) -> Any:
+    """The key stored in the record of sample p (of the generation in `st`, the one read now
+    unless given): read from the header of a sealed record in place with scalar work; else
+    through metas."""
+    st = st or r.state
+    index = st[0].index
     if r.source is None and r.max_open is None:
         shard, slot, _label = index.samples[p].item()
         if shard < index.n_sealed:
@@ -137,22 +148,23 @@ def key_at(r: HeaderSource, p: int) -> Any:
                 off, size, hk = index.records[rec].item()
                 head = hk & _HEAD_MASK
                 if head >= fmt.PREFIX_SIZE and off + head + size <= index.shard_bytes[shard]:
-                    h = r.mapped(shard) or r.handle(shard)
+                    h = st[1][shard] or r.handle(shard, st)
                     try:
                         buf = h.mv[off:off + head]
                         return fmt.RecordHeader(buf).meta(buf).get("k")
                     except CorruptDatasetError as e:
                         raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
-    return metas(r, [p])[0][1].get("k")
+    return metas(r, [p], st)[0][1].get("k")
 
 
 def find_many(r: HeaderSource, keys: list[str], hashes: np.ndarray) -> dict[int, int]:
     """{i: sample position} for each keys[i] the generation holds (`hashes`: their key hashes),
     one index search for the whole list and one metas call for the candidates."""
     found: dict[int, int] = {}
-    q, p = r.gen.index.candidates_many(hashes)
+    st = r.state
+    q, p = st[0].index.candidates_many(hashes)
     if len(q):
-        for qi, pi, (_kind, meta) in zip(q.tolist(), p.tolist(), metas(r, p)):
+        for qi, pi, (_kind, meta) in zip(q.tolist(), p.tolist(), metas(r, p, st)):
             if meta["k"] == keys[qi]:
                 found[qi] = pi
     return found

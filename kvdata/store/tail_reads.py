@@ -98,6 +98,8 @@ class TailReads:
         with self._lock:
             self._snap = snap
             self._held = None if snap is None else (gen, snap)
+            if snap is None:  # refused (pages in doubt): not walked again for twice as many asks
+                self._share = max(1, self._share // 2)
         return snap
 
     def reading(self, gen: Generation, snap: TailSnapshot) -> SnapshotRead:

@@ -5,18 +5,20 @@ newest records in an LMDB tail, and reading them one `txn.get` and one header pa
 cost 3-4x a sealed shard's vectorized path (issue 12: 0.24x a raw LMDB loop for 1 KiB records,
 0.38x np.memmap for images). A TailSnapshot gives the tail the sealed path's shape instead:
 
-- under a read transaction, the meta page of exactly that transaction gives the B-tree's root,
-  and the tree is walked in numpy (format.frames.lmdb_values) to the record rows of every slot,
-  as a seal does; the meta is read again after the walk and its entry count checked against the
-  transaction's own, so a walk that raced a writer is never used. The transaction then ends:
-  nothing is held between reads (no reader slot, no pages kept from the writer);
+- under a read transaction, the meta page of exactly that transaction gives the B-tree's root
+  (its entry count checked against the transaction's own), and the tree is walked in numpy
+  (format.frames.lmdb_values) to the record rows of every slot, as a seal does; every page the
+  walk reads is that transaction's, which LMDB keeps as it is while the transaction is open. (A
+  meta page caught while a writer rewrote it -- two commits later -- can only give a snapshot of
+  a transaction no later read will ever be, so never used.) The transaction then ends: nothing
+  is held between reads (no reader slot, no pages kept from the writer);
 - the file is mapped read-only here, after checking it is the very file LMDB has open;
-- every read (store.tail_reads.SnapshotRead) begins a read transaction and uses the rows only if
-  that transaction is the walked one -- no write has been committed since, so every page the rows point at is still
-  what the walk saw, and stays so while the transaction is open (LMDB reuses no page a live
-  reader's snapshot reaches). The values are copied out (or used, by get_batch, before the
-  transaction ends). After any commit to the tail the reads go through LMDB until a new snapshot
-  is taken.
+- every read (store.tail_reads.SnapshotRead) begins a read transaction and uses the rows only
+  if that transaction is the walked one -- no write has been committed since, so every page the
+  rows point at is still what the walk saw, and stays so while the transaction is open (LMDB
+  reuses no page a live reader's snapshot reaches). The values are copied out (get_batch copies
+  array fields into the batch before the transaction ends, and any other field out of the map).
+  After any commit to the tail the reads go through LMDB until a new snapshot is taken.
 
 It holds no LMDB handle, so a forked child may keep using it: its reads begin transactions on
 the child's own env.
@@ -100,12 +102,9 @@ def _rows_at(mm: mmap.mmap, txnid: int, entries: int, records: int) -> np.ndarra
             return None  # the writer has moved on twice since we began, or the pages are not all there
         try:
             slots = frames.lmdb_values(mv, txnid)
-            rows = None if slots is None or len(slots) != entries else rows_of_values(mv, slots[:records])
+            return None if slots is None or len(slots) != entries else rows_of_values(mv, slots[:records])
         except (MemoryError, ValueError, IndexError, OverflowError):
-            rows = None
-        if frames.lmdb_meta(mv, txnid) != meta:  # rewritten while we walked: the walk is not trusted
             return None
-    return rows
 
 
 def _close_quiet(mm: mmap.mmap | None) -> None:

@@ -24,7 +24,7 @@ import pytest
 
 import kvdata
 from kvdata.errors import MissingShardError
-from kvdata.store import tail_snapshot
+from kvdata.store import record_metas, tail_reads, tail_snapshot
 from kvdata.store.shards import ENVS
 from kvdata.store.tail_snapshot import TailSnapshot
 
@@ -371,3 +371,119 @@ def test_readers_reading_whole_tails_while_a_writer_commits_seals_and_rewrites(t
         writer.send_signal(signal.SIGKILL)
         writer.wait()
     assert checked > 0
+
+
+def test_get_batch_fields_that_are_not_arrays_outlive_the_read(tmp_path: Path) -> None:
+    """get_batch stacks array fields into the batch inside the read's transaction; a bytes field
+    is handed on as it is, so from a tail snapshot it must be a copy, not a view of the map."""
+    p = tmp_path / "a.kv"
+    with kvdata.open(p, "a") as w:
+        for i in range(200):
+            w.put(f"k{i:04d}", {"b": f"record {i:04d} ".encode() * 10, "x": i, "a": np.full(3, i)})
+    store = kvdata.open(p)
+    try:
+        store.get_many(range(200))
+        batch = store.get_batch(range(200))
+        assert _tail_snapshot(store) is not None
+        code = textwrap.dedent("""
+            import sys, numpy as np, kvdata
+            with kvdata.open(sys.argv[1], "a") as w:
+                for i in range(200, 260):
+                    w.put(f"k{i:04d}", {"b": b"NEW!" * 40, "x": i, "a": np.full(3, i)})
+                    w.commit()
+        """)
+        subprocess.run([sys.executable, "-c", code, str(p)], check=True, timeout=120)
+        assert all(type(v) is bytes for v in batch["b"])  # owned, not a view of the tail's map
+        assert [bytes(v) for v in batch["b"]] == [f"record {i:04d} ".encode() * 10 for i in range(200)]
+        assert batch["x"].tolist() == list(range(200)) and batch["a"][:, 0].tolist() == list(range(200))
+    finally:
+        store.close()
+
+
+def test_a_writer_committing_all_the_time_gets_the_tail_walked_less_and_less(tmp_path: Path) -> None:
+    """Each snapshot a commit made stale (or a take refused) doubles the reads asked before the
+    next walk, down to one walk per tail's worth of reads; the values stay right meanwhile."""
+    p = tmp_path / "a.kv"
+    _append(p, 0, 2000, 2)
+    store = kvdata.open(p)
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, kvdata
+        with kvdata.open(sys.argv[1], "a") as w:
+            for i in range(2000, 2400):
+                w.put(f"x{i:06d}", b"y" * 100)
+                w.commit()
+    """), str(p)])
+    try:
+        rng = np.random.default_rng(0)
+        while writer.poll() is None:
+            idx = rng.integers(0, 2000, 256)
+            assert all(bytes(v) == _small(int(i)) for i, v in zip(idx, store.get_many(idx)))
+        assert writer.returncode == 0
+        assert store._reader._tail._share < tail_reads.SNAPSHOT_SHARE
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        store.close()
+
+
+def test_key_lookups_while_another_thread_refreshes_read_one_generation(tmp_path: Path) -> None:
+    """keys, key_at and find take the generation once, as get_many does: a refresh() landing
+    between their steps (the tail sealed meanwhile) never sends them to another generation's
+    files."""
+    p = tmp_path / "a.kv"
+    with kvdata.open(p, "a", shard_size="64KB") as w:
+        for i in range(100):
+            w.put(f"k{i:06d}", b"x" * 200)
+    code = textwrap.dedent("""
+        import sys, kvdata
+        with kvdata.open(sys.argv[1], "a", shard_size="64KB") as w:
+            for i in range(100, 1600):
+                w.put(f"k{i:06d}", b"x" * 200)
+                if i % 10 == 0:
+                    w.commit()
+                if i % 100 == 0:
+                    w.seal()
+                    w.commit()
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", code, str(p)])
+    store = kvdata.open(p)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def look() -> None:
+        while not stop.is_set():
+            try:
+                st = store._reader.state
+                n = st[0].index.count
+                for i, (_kind, meta) in zip(range(max(0, n - 50), n),
+                                            record_metas.metas(store._reader, range(max(0, n - 50), n), st)):
+                    if meta["k"] != f"k{i:06d}":
+                        errors.append(f"sample {i}: key {meta['k']}")
+                        return
+                k = f"k{n - 1:06d}"
+                if store.find(k) is None and k in {f"k{j:06d}" for j in range(len(store))}:
+                    errors.append(f"{k} not found")
+                    return
+            except Exception as e:  # reported below
+                errors.append(repr(e))
+                return
+
+    def refresh() -> None:
+        while not stop.is_set():
+            store.refresh()
+
+    threads = [threading.Thread(target=look) for _ in range(2)] + [threading.Thread(target=refresh)]
+    try:
+        for t in threads:
+            t.start()
+        writer.wait(timeout=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        store.close()
+    assert writer.returncode == 0 and not errors, errors[:5]
