@@ -46,8 +46,8 @@ class TailReads:
     def __init__(self, root: Path, map_shard: Callable[[ShardEntry], SealedShard]) -> None:
         self.root = root
         self._map_shard = map_shard
-        # tail name -> [env, users, retired]: an env is used inside `_env_of` only, and let go
-        # once it is retired (release) and its last user is done -- never under another thread
+        # tail name -> lease slot [env, users, retired, (device, inode), name] (_borrow): an env is
+        # let go once it is retired (release) and its last user is done -- never under another thread
         self._envs: dict[str, list[Any]] = {}
         self._snap: TailSnapshot | None = None
         self._held: tuple[Generation, TailSnapshot] | None = None  # (a generation it serves, it): one attribute
