@@ -135,12 +135,33 @@ class EnvRegistry:
     @contextmanager
     def read(self, env: lmdb.Environment, buffers: bool = False) -> Iterator[Any]:
         """A read transaction that the fork logic above knows about."""
+        txn = self.begin_read(env, buffers)
+        try:
+            yield txn
+        finally:
+            try:
+                txn.abort()
+            finally:
+                self.mark_busy(env, -1)
+
+    def begin_read(self, env: lmdb.Environment, buffers: bool = False) -> Any:
+        """Count a transaction on `env` (busy) and begin it; the caller aborts it and counts it
+        ended (mark_busy -1). A writer that raised the shard size grows a tail past the map a
+        reader opened it with (MDB_MAP_RESIZED): the env adopts the file's size, when no other
+        transaction of this process is open on it (LMDB's rule), and begins again."""
         self.mark_busy(env, 1)
         try:
-            with env.begin(buffers=buffers) as txn:  # type: ignore[call-overload]
-                yield txn
-        finally:
+            try:
+                return env.begin(buffers=buffers)  # type: ignore[call-overload]
+            except lmdb.MapResizedError:
+                with self._lock:
+                    if self._busy.get(id(env)) != 1:
+                        raise
+                    env.set_mapsize(0)
+                return env.begin(buffers=buffers)  # type: ignore[call-overload]
+        except BaseException:
             self.mark_busy(env, -1)
+            raise
 
 
 ENVS = EnvRegistry()

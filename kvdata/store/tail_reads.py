@@ -251,10 +251,8 @@ class SnapshotRead:
         slot = self._slot = self._reads._borrow(self._gen)
         if slot is None:  # sealed since we loaded: the LMDB path finds the sealed file
             return False
-        env = slot[0]
-        ENVS.mark_busy(env, 1)
         try:
-            self._txn = env.begin()
+            self._txn = ENVS.begin_read(slot[0])
             ok = self._txn.id() == self._snap.txnid and slot[3] == self._snap.file
         except lmdb.Error:
             ok = False
@@ -269,7 +267,9 @@ class SnapshotRead:
             return
         try:
             if txn is not None:
-                txn.abort()
+                try:
+                    txn.abort()
+                finally:
+                    ENVS.mark_busy(slot[0], -1)
         finally:
-            ENVS.mark_busy(slot[0], -1)
             self._reads._give_back(slot)

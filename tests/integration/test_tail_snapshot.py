@@ -487,3 +487,29 @@ def test_key_lookups_while_another_thread_refreshes_read_one_generation(tmp_path
             writer.wait()
         store.close()
     assert writer.returncode == 0 and not errors, errors[:5]
+
+
+def test_a_reader_follows_a_tail_grown_past_its_map_by_a_larger_shard_size(tmp_path: Path) -> None:
+    """A writer that raises shard_size grows the tail past the map a reader opened it with
+    (LMDB: MDB_MAP_RESIZED); the reader adopts the new size and reads on, by snapshot or not."""
+    p = tmp_path / "a.kv"
+    with kvdata.open(p, "a", shard_size="1MB") as w:
+        for i in range(300):
+            w.put(f"k{i}", b"v" * 100)
+    store = kvdata.open(p)
+    try:
+        n = len(store)
+        assert all(bytes(v) == b"v" * 100 for v in store.get_many(range(n)))  # env opened, 65 MB map
+        code = textwrap.dedent("""
+            import sys, kvdata
+            with kvdata.open(sys.argv[1], "a", shard_size="300MB") as w:
+                for i in range(75):
+                    w.put(f"big{i}", bytes(1 << 20))
+        """)
+        subprocess.run([sys.executable, "-c", code, str(p)], check=True, timeout=120)
+        assert all(bytes(v) == b"v" * 100 for v in store.get_many(range(n)))  # the old generation
+        assert bytes(store[5]) == b"v" * 100
+        store.refresh()
+        assert len(store) == n + 75 and bytes(store["big74"]) == bytes(1 << 20)
+    finally:
+        store.close()
