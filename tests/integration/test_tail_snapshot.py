@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -278,48 +279,29 @@ def test_a_tail_file_swapped_in_under_its_name_is_never_read_by_map(tmp_path: Pa
         store.close()
 
 
-def test_threads_reading_while_another_refreshes_never_mix_generations(tmp_path: Path) -> None:
-    """Reader threads and a thread calling refresh() share one Store while a writer process
-    appends, commits and seals: every read comes from one generation (values name their keys)."""
-    p = tmp_path / "a.kv"
-    with kvdata.open(p, "a", shard_size="64KB") as w:
-        for i in range(100):
-            w.put(f"k{i:06d}", f"k{i:06d}|".encode() * 30)
-    code = textwrap.dedent("""
-        import sys, kvdata
-        with kvdata.open(sys.argv[1], "a", shard_size="64KB") as w:
-            for i in range(100, 2600):
-                w.put(f"k{i:06d}", f"k{i:06d}|".encode() * 30)
-                if i % 10 == 0:
-                    w.commit()
-                if i % 200 == 0:
-                    w.seal()
-                    w.commit()
-    """)
-    writer = subprocess.Popen([sys.executable, "-c", code, str(p)])
+def _race_refresh(p: Path, writer_code: str, check: Callable[[kvdata.Store], str | None]) -> None:
+    """Two threads run `check(store)` (an error text, or None) over and over while a third calls
+    store.refresh() and a writer process runs `writer_code`; fails with the first error seen."""
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(writer_code), str(p)])
     store = kvdata.open(p)
     errors: list[str] = []
     stop = threading.Event()
 
-    def read() -> None:
+    def run_check() -> None:
         while not stop.is_set():
             try:
-                n = len(store)
-                idx = list(range(max(0, n - 300), n))
-                for i, v in zip(idx, store.get_many(idx)):
-                    text = bytes(v).decode()
-                    if text != f"k{i:06d}|" * 30:
-                        errors.append(f"sample {i}: {text[:8]}")
-                        return
+                err = check(store)
             except Exception as e:  # reported below
-                errors.append(repr(e))
+                err = repr(e)
+            if err is not None:
+                errors.append(err)
                 return
 
     def refresh() -> None:
         while not stop.is_set():
             store.refresh()
 
-    threads = [threading.Thread(target=read) for _ in range(2)] + [threading.Thread(target=refresh)]
+    threads = [threading.Thread(target=run_check) for _ in range(2)] + [threading.Thread(target=refresh)]
     try:
         for t in threads:
             t.start()
@@ -333,6 +315,36 @@ def test_threads_reading_while_another_refreshes_never_mix_generations(tmp_path:
             writer.wait()
         store.close()
     assert writer.returncode == 0 and not errors, errors[:5]
+
+
+def test_threads_reading_while_another_refreshes_never_mix_generations(tmp_path: Path) -> None:
+    """Reader threads and a thread calling refresh() share one Store while a writer process
+    appends, commits and seals: every read comes from one generation (values name their keys)."""
+    p = tmp_path / "a.kv"
+    with kvdata.open(p, "a", shard_size="64KB") as w:
+        for i in range(100):
+            w.put(f"k{i:06d}", f"k{i:06d}|".encode() * 30)
+
+    def read(store: kvdata.Store) -> str | None:
+        n = len(store)
+        idx = list(range(max(0, n - 300), n))
+        for i, v in zip(idx, store.get_many(idx)):
+            text = bytes(v).decode()
+            if text != f"k{i:06d}|" * 30:
+                return f"sample {i}: {text[:8]}"
+        return None
+
+    _race_refresh(p, """
+        import sys, kvdata
+        with kvdata.open(sys.argv[1], "a", shard_size="64KB") as w:
+            for i in range(100, 2600):
+                w.put(f"k{i:06d}", f"k{i:06d}|".encode() * 30)
+                if i % 10 == 0:
+                    w.commit()
+                if i % 200 == 0:
+                    w.seal()
+                    w.commit()
+    """, read)
 
 
 def test_readers_reading_whole_tails_while_a_writer_commits_seals_and_rewrites(tmp_path: Path) -> None:
@@ -435,7 +447,20 @@ def test_key_lookups_while_another_thread_refreshes_read_one_generation(tmp_path
     with kvdata.open(p, "a", shard_size="64KB") as w:
         for i in range(100):
             w.put(f"k{i:06d}", b"x" * 200)
-    code = textwrap.dedent("""
+
+    def look(store: kvdata.Store) -> str | None:
+        st = store._reader.state
+        n = st[0].index.count
+        for i, (_kind, meta) in zip(range(max(0, n - 50), n),
+                                    record_metas.metas(store._reader, range(max(0, n - 50), n), st)):
+            if meta["k"] != f"k{i:06d}":
+                return f"sample {i}: key {meta['k']}"
+        k = f"k{n - 1:06d}"
+        if store.find(k) is None and k in {f"k{j:06d}" for j in range(len(store))}:
+            return f"{k} not found"
+        return None
+
+    _race_refresh(p, """
         import sys, kvdata
         with kvdata.open(sys.argv[1], "a", shard_size="64KB") as w:
             for i in range(100, 1600):
@@ -445,48 +470,7 @@ def test_key_lookups_while_another_thread_refreshes_read_one_generation(tmp_path
                 if i % 100 == 0:
                     w.seal()
                     w.commit()
-    """)
-    writer = subprocess.Popen([sys.executable, "-c", code, str(p)])
-    store = kvdata.open(p)
-    errors: list[str] = []
-    stop = threading.Event()
-
-    def look() -> None:
-        while not stop.is_set():
-            try:
-                st = store._reader.state
-                n = st[0].index.count
-                for i, (_kind, meta) in zip(range(max(0, n - 50), n),
-                                            record_metas.metas(store._reader, range(max(0, n - 50), n), st)):
-                    if meta["k"] != f"k{i:06d}":
-                        errors.append(f"sample {i}: key {meta['k']}")
-                        return
-                k = f"k{n - 1:06d}"
-                if store.find(k) is None and k in {f"k{j:06d}" for j in range(len(store))}:
-                    errors.append(f"{k} not found")
-                    return
-            except Exception as e:  # reported below
-                errors.append(repr(e))
-                return
-
-    def refresh() -> None:
-        while not stop.is_set():
-            store.refresh()
-
-    threads = [threading.Thread(target=look) for _ in range(2)] + [threading.Thread(target=refresh)]
-    try:
-        for t in threads:
-            t.start()
-        writer.wait(timeout=120)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-        if writer.poll() is None:
-            writer.kill()
-            writer.wait()
-        store.close()
-    assert writer.returncode == 0 and not errors, errors[:5]
+    """, look)
 
 
 def test_a_reader_follows_a_tail_grown_past_its_map_by_a_larger_shard_size(tmp_path: Path) -> None:
