@@ -12,10 +12,9 @@ import mmap
 import operator
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from itertools import repeat
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,14 +25,13 @@ from ..errors import CorruptDatasetError, InvalidKeyError, InvalidValueError, Mi
 from ..format import ShardEntry, names
 from . import record_metas
 from .generation import Generation
+from .record_decoder import RecordDecoder, own_bytes, plain
 from .record_metas import State
 from .shards import SealedShard
 from .source import ShardSource
 from .stacking import Alloc, Copier
 from .tail_reads import TailReads, lmdb_value
-from .tail_snapshot import TailSnapshot
 
-PLAN_CACHE_MAX = 4096
 # Values at least this large get an madvise(WILLNEED) over their exact byte range
 # before they are touched: one large read instead of a page fault every 4 KiB when
 # cold, and the reads of a whole batch in flight at once. Smaller values fit in
@@ -44,23 +42,6 @@ LOCATE_ATTEMPTS = 3   # a staged copy may vanish between being located and being
 _PAGE_MASK = ~(mmap.PAGESIZE - 1)
 _HEAD_MASK = fmt.MAX_HEAD
 _KIND_SHIFT = fmt.KIND_SHIFT
-
-
-def _own_bytes(out: list[Any], at: np.ndarray) -> None:
-    """Bytes fields of the records out[at] as copies instead of views (of a tail snapshot's map,
-    valid only until its read transaction ends)."""
-    for j in at.tolist():
-        rec = out[j]
-        if isinstance(rec, dict):
-            for name, v in rec.items():
-                if type(v) is memoryview:
-                    rec[name] = bytes(v)
-
-
-def _plain(hk: int) -> bool:
-    """Whether a row's head|kind is a sample's record (raw or fields, a head past the prefix)."""
-    kind = hk >> _KIND_SHIFT
-    return (hk & _HEAD_MASK) >= fmt.PREFIX_SIZE and (kind == fmt.KIND_RAW or kind == fmt.KIND_FIELDS)
 
 
 class Reader:
@@ -77,7 +58,7 @@ class Reader:
         # keep only the most recently used few mapped, so tiers can turn over.
         self.max_open: int | None = source.max_open if source is not None else None
         self._tail = TailReads(self.root, self._map_shard)
-        self._plans: dict[bytes, fmt.Plan] = {}
+        self._decoder = RecordDecoder()
         self._copier = Copier(copy_threads)
         self._readahead = readahead
         # the generation read and its shards' handles, replaced as one by load(): a read takes
@@ -168,36 +149,18 @@ class Reader:
             if snap is None or shard != index_.n_sealed or slot >= snap.records:
                 return self._get_many([i], copy, state)[0]
             off, size, hk = snap.rows[slot].item()
-            if _plain(hk):
+            if plain(hk):
                 with self._tail.reading(gen, snap) as usable:
                     if usable:
-                        return self._decode_one(snap, off, size, hk, True)
+                        return self._decoder.one(snap, off, size, hk, True)
             return self._get_many([i], copy, state)[0]
         rec = int(index_.base[shard]) + slot
         if rec >= index_.base[shard + 1]:
             return self._get_many([i], copy, state)[0]  # (names the damage)
         off, size, hk = index_.records[rec].item()
-        if off + (hk & _HEAD_MASK) + size > index_.shard_bytes[shard] or not _plain(hk):
+        if off + (hk & _HEAD_MASK) + size > index_.shard_bytes[shard] or not plain(hk):
             return self._get_many([i], copy, state)[0]  # unknown offsets, or a damaged row: the checks name it
-        return self._decode_one(state[1][shard] or self.handle(shard, state), off, size, hk, copy)
-
-    def _decode_one(self, h: SealedShard | TailSnapshot, off: int, size: int, hk: int, copy: bool) -> Any:
-        """get_one's decode of the record at row (off, size, hk) of the map of `h`."""
-        head = hk & _HEAD_MASK
-        if hk >> _KIND_SHIFT == fmt.KIND_RAW:
-            a = off + head
-            return h.mm[a:a + size] if copy else h.mv[a:a + size]
-        try:
-            pre = fmt.PREFIX.unpack_from(h.mv, off)
-            if pre[0] != fmt.MAGIC or pre[1] != fmt.KIND_FIELDS \
-                    or pre[fmt.PREFIX_HEAD] != head or fmt.PREFIX_SIZE + pre[fmt.PREFIX_LAYOUT_LEN] > head:
-                raise CorruptDatasetError("the record there does not match the side-index; run `kvdata verify`")
-            a = off + fmt.PREFIX_SIZE
-            lb = h.mm[a:a + pre[fmt.PREFIX_LAYOUT_LEN]]
-            plan = self._plans.get(lb) or self._plan(lb)
-            return fmt.decode_plan(plan, h.u8, h.mv, off + head, copy, off + head + size)
-        except CorruptDatasetError as e:
-            raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
+        return self._decoder.one(state[1][shard] or self.handle(shard, state), off, size, hk, copy)
 
     def get_many(self, indices: Sequence[int] | np.ndarray, copy: bool = False) -> list[Any]:
         """Records at sample indices, in the order given (views into the maps unless copy; a
@@ -224,7 +187,7 @@ class Reader:
             if unknown.any():  # shards sealed where offsets could not be learned: read through LMDB
                 for j, s, sl in zip(where[unknown].tolist(), sh[unknown].tolist(), slot[where[unknown]].tolist()):
                     h = self.handle(s, state)
-                    out[j] = self._decode_at(h.path, sl, lmdb_value(h, sl), copy)
+                    out[j] = self._decoder.value_at(h.path, sl, lmdb_value(h, sl), copy)
                 where, sh, r = where[~unknown], sh[~unknown], r[~unknown]
             hk = r["head_kind"]
             self._check_rows(gen, pos[where], sh, r, hk)
@@ -237,7 +200,7 @@ class Reader:
             if self._readahead:
                 self._advise_willneed(state, sh, r, hk)
             hs = [handles[s] or self.handle(s, state) for s in sh.tolist()]
-            self._decode_rows(out, where, hs, r, hk, copy)
+            self._decoder.rows(out, where, hs, r, hk, copy)
         if not all_sealed:
             self._read_tail(gen, np.nonzero(~sealed)[0], slot, out, copy, hold)
         return out
@@ -253,36 +216,12 @@ class Reader:
                 if (hold or own).enter_context(self._tail.reading(gen, snap)):
                     r = snap.rows[tail_slots]
                     views = hold is not None and not copy
-                    self._decode_rows(out, tail_at, repeat(snap, len(tail_at)), r, r["head_kind"], not views)
+                    self._decoder.rows(out, tail_at, repeat(snap, len(tail_at)), r, r["head_kind"], not views)
                     if views:  # get_batch copies array fields into the batch; any other field is
-                        _own_bytes(out, tail_at)  # handed on as it is, and must outlive the transaction
+                        own_bytes(out, tail_at)  # handed on as it is, and must outlive the transaction
                     return
         for j, sl, v in zip(tail_at.tolist(), tail_slots.tolist(), self._tail.values(gen, tail_slots.tolist())):
-            out[j] = self._decode_at(gen.tail_path, sl, v, copy)
-
-    def _decode_rows(self, out: list[Any], where: np.ndarray, hs: Iterable[SealedShard | TailSnapshot],
-                     r: np.ndarray, hk: np.ndarray, copy: bool) -> None:
-        """out[where[i]] = the record at row r[i] of the map hs[i] (views unless copy)."""
-        plans = self._plans
-        unpack = fmt.PREFIX.unpack_from
-        decode = fmt.decode_plan
-        for j, h, off, size, hk_ in zip(where.tolist(), hs, r["offset"].tolist(), r["size"].tolist(), hk.tolist()):
-            head = hk_ & _HEAD_MASK
-            if hk_ >> _KIND_SHIFT == fmt.KIND_RAW:
-                a = off + head
-                out[j] = h.mv[a:a + size] if not copy else h.mm[a:a + size]
-                continue
-            try:
-                pre = unpack(h.mv, off)
-                if pre[0] != fmt.MAGIC or pre[1] != fmt.KIND_FIELDS or pre[fmt.PREFIX_HEAD] != head \
-                        or fmt.PREFIX_SIZE + pre[fmt.PREFIX_LAYOUT_LEN] > head:
-                    raise CorruptDatasetError("the record there does not match the side-index; run `kvdata verify`")
-                a = off + fmt.PREFIX_SIZE
-                lb = h.mm[a:a + pre[fmt.PREFIX_LAYOUT_LEN]]
-                plan = plans.get(lb) or self._plan(lb)
-                out[j] = decode(plan, h.u8, h.mv, off + head, copy, off + head + size)
-            except CorruptDatasetError as e:
-                raise CorruptDatasetError(f"shard {h.path}, record at offset {off}: {e}") from None
+            out[j] = self._decoder.value_at(gen.tail_path, sl, v, copy)
 
     def _read_records(self, state: State, where: np.ndarray, sh: np.ndarray,
                       slots: np.ndarray, r: np.ndarray, hk: np.ndarray, out: list[Any], copy: bool) -> np.ndarray | None:
@@ -318,7 +257,7 @@ class Reader:
                     if len(v) != (hks[i] & _HEAD_MASK) + sizes[i]:
                         raise CorruptDatasetError(f"the record read from the home has {len(v)} bytes, the side-index "
                                                   f"gives {(hks[i] & _HEAD_MASK) + sizes[i]}; run `kvdata verify`")
-                    out[int(where[i])] = self.decode_value(v, copy)
+                    out[int(where[i])] = self._decoder.value(v, copy)
                 except CorruptDatasetError as e:
                     raise CorruptDatasetError(f"shard {entry.name} from {source.home.url}, slot {sl}: {e}") from None
                 done[i] = True
@@ -421,29 +360,9 @@ class Reader:
                 hs[sid] = None
         old.close()
 
-    def _plan(self, layout_bytes: bytes) -> fmt.Plan:
-        """Decoding plan of a layout, cached: records of equal shapes share one."""
-        if len(self._plans) >= PLAN_CACHE_MAX:
-            self._plans.clear()
-        plan = self._plans[layout_bytes] = fmt.layout_plan(layout_bytes)
-        return plan
-
     def decode_value(self, v: bytes, copy: bool) -> Any:
-        """A record from its LMDB value bytes (tail records, shards without offsets); a damaged
-        record, or a tombstone where a sample should be, raises CorruptDatasetError."""
-        h = fmt.RecordHeader(v)
-        if h.kind == fmt.KIND_RAW:
-            return bytes(v[h.head:]) if copy else memoryview(v)[h.head:]
-        if h.kind != fmt.KIND_FIELDS:
-            raise CorruptDatasetError("a sample points at a deleted record; run `kvdata reindex`")
-        plan = self._plan(bytes(v[fmt.PREFIX_SIZE:fmt.PREFIX_SIZE + h.layout_len]))
-        return fmt.decode_plan(plan, np.frombuffer(v, np.uint8), memoryview(v), h.head, copy)
-
-    def _decode_at(self, path: Path, slot: int, v: bytes, copy: bool) -> Any:
-        try:
-            return self.decode_value(v, copy)
-        except CorruptDatasetError as e:
-            raise CorruptDatasetError(f"{path}, slot {slot}: {e}") from None
+        """A record from its LMDB value bytes (RecordDecoder.value)."""
+        return self._decoder.value(v, copy)
 
     def handle(self, shard_id: int, state: State | None = None) -> SealedShard:
         """The mapped handle of a sealed shard of the generation in `state` (the one read now
