@@ -24,7 +24,7 @@ from ..store.stacking import Ragged, ragged
 from ..tiers.homes import is_url
 from ..tiers.policy import looks_random
 from .open import open_dataset
-from .rows import column_rows
+from .torch_seam import column_rows, zero_copy_collate_works
 from .worker_ring import Batch, Lease, WorkerRing, shared_tensor
 
 DETECT_SAMPLES = 4096   # samples whose order a process looks at (at most) to tell a shard-grouped order from a random one
@@ -41,8 +41,9 @@ class SampleBatch(list):
     """Per-sample dicts (rows of `stacked`) that kvdata.collate turns into tensors without copying.
 
     To every other consumer it is a plain list of samples whose array fields are tensor rows
-    of the batch (reader/rows.py), so torch's default_collate stacks them back into the batch
-    without a copy too. `tensors` holds the tensors behind `stacked`'s arrays (in workers,
+    of the batch (reader/torch_seam.py), so torch's default_collate stacks them back into the
+    batch without a copy too (plain rows where torch_seam's self-check fails: default_collate
+    copies them). `tensors` holds the tensors behind `stacked`'s arrays (in workers,
     shared-memory ring buffers): handing those, not torch.from_numpy views, to the DataLoader
     queue is what lets the batch cross processes as a file descriptor instead of being copied
     again. `lease` is the worker ring slot they occupy (None outside a worker).
@@ -55,7 +56,7 @@ class SampleBatch(list):
 
     def __reduce__(self) -> Any:
         """Pickled (a collate_fn that returns the samples themselves), it is the plain list: its
-        rows carry the ring slot's lease (reader/rows.py); the bookkeeping stays here."""
+        rows carry the ring slot's lease (reader/torch_seam.py); the bookkeeping stays here."""
         return (list, (list(self),))
 
 
@@ -245,8 +246,15 @@ class Dataset(torch.utils.data.Dataset):
         batch = store.get_batch(indices, fields=self.fields, alloc=alloc)
         if isinstance(batch, list):  # byte records
             return batch
+        # zero-copy rows where torch_seam's self-check passes in this process (decided once, at the
+        # first batch with such a column); else plain rows, which carry no lease: the ring lets go
+        # of this batch's buffers
+        zero_copy = not any(_row_column(c) for c in batch.values()) or zero_copy_collate_works()
+        if ring is not None and not zero_copy:
+            ring.disown()
         lease = ring.lease() if ring is not None else None  # whatever is made of it may leave the worker
-        out = _rows(batch, len(indices), {k: tensors[id(v)] for k, v in batch.items() if id(v) in tensors}, lease)
+        out = _rows(batch, len(indices), {k: tensors[id(v)] for k, v in batch.items() if id(v) in tensors}, lease,
+                    zero_copy)
         out.ring = ring
         return out
 
@@ -265,19 +273,26 @@ def _warn(msg: str) -> None:
         warnings.warn(msg, RandomAccessWarning, stacklevel=4)
 
 
-def _rows(batch: dict[str, Any], n: int, tensors: dict[str, torch.Tensor], lease: Lease | None) -> SampleBatch:
+def _row_column(col: Any) -> bool:
+    """Whether a batch column is handed out as tensor rows (a writable array of numbers)."""
+    return isinstance(col, np.ndarray) and col.dtype.kind in "biuf" and col.flags.writeable
+
+
+def _rows(batch: dict[str, Any], n: int, tensors: dict[str, torch.Tensor], lease: Lease | None,
+          zero_copy: bool) -> SampleBatch:
     """Sample i = row i of every column: array and number columns give writable tensor rows
-    of the batch tensor (reader/rows.py: stacked again without a copy); a variable-length
-    column's row is its slice of the flat values; other columns (str, bytes) their items."""
+    of the batch tensor (zero_copy: reader/torch_seam.py's, stacked again without a copy; else
+    plain views); a variable-length column's row is its slice of the flat values; other
+    columns (str, bytes) their items."""
     cols: dict[str, Any] = {}
     for name, col in batch.items():
         if isinstance(col, Ragged):
             cols[name] = [col.values[a:b] for a, b in zip(col.offsets[:-1].tolist(), col.offsets[1:].tolist())]
-        elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf" and col.flags.writeable:
+        elif _row_column(col):
             t = tensors.get(name)
             if t is None:
                 t = tensors[name] = torch.from_numpy(col)
-            cols[name] = column_rows(t, n, lease)
+            cols[name] = column_rows(t, n, lease) if zero_copy else list(t[:n].unbind(0))
         else:
             cols[name] = col
     names = list(cols)

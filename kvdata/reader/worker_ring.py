@@ -8,7 +8,7 @@ the next free one.
 When a buffer is free again -- the return channel: a batch's slot is lent (leased) as soon as
 the batch is assembled, since anything made from it may leave the process. What carries the
 lease in its pickle -- kvdata.collate's Batch, and the rows and stacked columns of
-reader/rows.py that torch's default_collate passes through -- reports to the main process,
+reader/torch_seam.py that torch's default_collate passes through -- reports to the main process,
 where, unpickled, the lease keeps weak references to the batch's storages; whenever another
 batch arrives, slots whose storages are all gone there (the loop dropped the batch, every view
 of it included) get their generation written into the worker's shared flags. The worker
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._util.libc import MADV_POPULATE_WRITE, madvise
+from .torch_seam import StorageRef, shared_storage
 
 MAX_SLOTS = 8           # buffers per worker: the DataLoader's prefetch (2) + batches the loop holds
 POPULATE_MIN = 1 << 20  # shared-memory buffers at least this large are faulted in with one madvise
@@ -41,7 +41,7 @@ def shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
     (MADV_POPULATE_WRITE, Linux 5.14+) instead of a page fault every 4 KiB."""
     tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    storage = shared_storage(max(nbytes, 1))
     out = torch.empty(0, dtype=tdtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # (stubs lack it)
     if nbytes >= POPULATE_MIN:
         madvise(out.data_ptr(), nbytes, MADV_POPULATE_WRITE)
@@ -70,6 +70,11 @@ class Lease:
         if self._state is not None:
             self._state.carried = True
         return self.flags, self.slot, self.gen
+
+    def reduce(self, plain: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+        """How a tensor of the slot pickles with its lease (torch_seam.Carrier): rebuilt in the
+        main process, it reports its arrival there."""
+        return (_arrive, (plain, *self.carry()))
 
 
 class WorkerRing:
@@ -119,6 +124,14 @@ class WorkerRing:
         view = t[:shape[0]]
         return view.numpy(), view
 
+    def disown(self) -> None:
+        """Give up the current slot's buffers: the batch in them is handed out in a way that does
+        not carry the lease (plain rows), so they stay the batch's alone, one-off buffers freed
+        with it; the slot gets new buffers next time. No lease follows (`lease` gives None)."""
+        if self.current is not None:
+            self.slots[self.current].tensors.clear()
+            self.current = None
+
     def lease(self) -> Lease | None:
         """Lend the current batch's slot (None for a one-off buffer, never reused). The slot
         stays lent while the returned lease is alive in this process, and after that until the
@@ -136,10 +149,10 @@ class WorkerRing:
 
 # Leases of the batches the main process holds, by (worker flags, slot, generation): one batch
 # may arrive as several pickled objects (the columns of a default_collate'd dict). Module-level
-# because the hook that runs there is an unpickling function (Batch.__reduce__, rows.py): no
+# because the hook that runs there is an unpickling function (Batch.__reduce__, Lease.reduce): no
 # object of ours lives across batches in the main process to hang them on. Process-local, like
 # torch's own shared-storage cache.
-_PENDING: dict[tuple[int, int, int], tuple[list[StorageWeakRef], torch.Tensor]] = {}
+_PENDING: dict[tuple[int, int, int], tuple[list[StorageRef], torch.Tensor]] = {}
 _PENDING_LOCK = threading.Lock()
 
 
@@ -160,10 +173,16 @@ def _rebuild(items: dict[str, Any], flags: torch.Tensor, slot: int, gen: int) ->
     return Batch(items)
 
 
+def _arrive(t: torch.Tensor, flags: torch.Tensor, slot: int, gen: int) -> torch.Tensor:
+    """Unpickled in the main process: a tensor (a row or column) that lives in a worker's ring slot."""
+    arrived([t], Lease(flags, slot, gen))
+    return t
+
+
 def arrived(tensors: list[torch.Tensor], lease: Lease) -> None:
     """A batch from a worker was unpickled here: track its storages, and release the slots
     of earlier batches whose storages are all gone."""
-    refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    refs = [StorageRef(t) for t in tensors]
     key = (lease.flags.untyped_storage().data_ptr(), lease.slot, lease.gen)
     with _PENDING_LOCK:
         for k, (srefs, flags) in list(_PENDING.items()):
