@@ -30,8 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import crash_check as cc  # noqa: E402
 from _common import machine_info, machine_line, md_table, median, write_json  # noqa: E402
+
+import crash_check as cc  # noqa: E402
 
 
 def summary_row(name: str, s: Any) -> list[Any]:

@@ -33,8 +33,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "fuzz"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fuzzlib as fl  # noqa: E402
 from _common import machine_info, machine_line, md_table, write_json  # noqa: E402
+
+import fuzzlib as fl  # noqa: E402
 
 CHUNK = 500          # cases per worker process (a fresh sandbox and dataset each)
 CLEAN_EVERY = 100    # remove finished case directories this often

@@ -40,8 +40,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))   # nodelab.py: the lab, shared with the CI test
 sys.path.insert(0, str(HERE))
-import nodelab as nl  # noqa: E402
 from _common import IMG, MB, log, machine_info, machine_line, md_table, median, rotated, write_json  # noqa: E402
+
+import nodelab as nl  # noqa: E402
 
 SAMPLERS = ("global", "locality")
 

@@ -38,5 +38,12 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(f".{module}", __name__), attr)
+        try:
+            loaded = importlib.import_module(f".{module}", __name__)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] != "torch":
+                raise
+            raise ModuleNotFoundError(f"kvdata.{name} needs PyTorch, which is not installed: pip install 'kvdata[torch]' "
+                                      f"(or install the torch build you use, any release >= 2.1)", name="torch") from None
+        return getattr(loaded, attr)
     raise AttributeError(f"module 'kvdata' has no attribute {name!r}")

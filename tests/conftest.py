@@ -58,3 +58,29 @@ def pytest_sessionstart(session: object) -> None:
     root = Path(__file__).resolve().parent.parent
     for package in ("kvdata", "daemon"):
         compileall.compile_dir(str(root / package), quiet=1)
+
+
+# Test modules that import an optional package at the top, by that package: where it is not
+# installed (the core-only, lowest-versions run of .ci/lowest-versions) they are not collected,
+# and the run's header says so. Every other test module runs on the core dependencies alone, or
+# skips a test with `pytest.importorskip` naming the extra it needs.
+NEEDS_OPTIONAL = {
+    "torch": ["integration/test_sampler.py", "integration/test_loader.py", "integration/test_kv_loader.py",
+              "integration/test_unannounced.py", "unit/test_locality.py", "unit/test_cluster_sim.py"],
+    "PIL": ["integration/test_importers.py", "integration/test_parallel_import.py",
+            "integration/test_caffe_import.py"],
+}
+
+
+def _missing(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is None
+
+
+collect_ignore = [path for package, paths in NEEDS_OPTIONAL.items() if _missing(package) for path in paths]
+
+
+def pytest_report_header() -> list[str]:
+    return [f"not collected ({package} is not installed): {', '.join(paths)}"
+            for package, paths in NEEDS_OPTIONAL.items() if _missing(package)]

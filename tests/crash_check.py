@@ -236,7 +236,8 @@ def check(ds: Path, journal: Path) -> Check:
     else:
         c.verify_ok = bool(rep["ok"])
         if not c.verify_ok:
-            c.problems.append("verify: " + json.dumps({k: rep[k] for k in ("bad_shards", "bad_records", "index_problems")})[:2000])
+            found = {k: rep[k] for k in ("bad_shards", "bad_records", "index_problems")}
+            c.problems.append("verify: " + json.dumps(found)[:2000])
     return c
 
 

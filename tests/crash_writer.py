@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 import kvdata
-from crash_check import SHARD_SIZE, Journal, digest, repair_journal, read_journal, replay, value_for
+
+from crash_check import SHARD_SIZE, Journal, digest, read_journal, repair_journal, replay, value_for
 
 LIVE_TARGET = 300
 BATCHES = (("tiny", 0.35, 1, 4), ("medium", 0.45, 10, 41), ("large", 0.2, 100, 251))  # name, p, lo, hi

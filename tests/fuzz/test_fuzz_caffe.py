@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fuzzlib as fl
 import lmdb
 import pytest
-from fuzzlib import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
+
+import fuzzlib as fl
+from fuzzlib import fuzz_settings
 
 pytest.importorskip("google.protobuf")
 pytest.importorskip("PIL")

@@ -12,14 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fuzzlib as fl
 import numpy as np
 import pytest
-from fuzzlib import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvdata.format import record as rec
+
+import fuzzlib as fl
+from fuzzlib import fuzz_settings
 
 
 @pytest.fixture(scope="module")

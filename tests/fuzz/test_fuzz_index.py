@@ -13,10 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fuzzlib as fl
 import numpy as np
 import pytest
-from fuzzlib import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,6 +23,9 @@ from kvdata.errors import CorruptDatasetError, KVDataError
 from kvdata.format import record as rec
 from kvdata.store import index as ix
 from kvdata.store.verify import verify_store
+
+import fuzzlib as fl
+from fuzzlib import fuzz_settings
 
 
 @pytest.fixture(scope="module")

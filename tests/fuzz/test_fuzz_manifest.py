@@ -10,14 +10,15 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import fuzzlib as fl
 import pytest
-from fuzzlib import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvdata.errors import CorruptDatasetError, FormatVersionError
 from kvdata.format.manifest import manifest_from_json, parse_manifest
+
+import fuzzlib as fl
+from fuzzlib import fuzz_settings
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,16 @@ import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
-import fuzzlib as fl
 import msgpack
 import pytest
-from fuzzlib import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvdata import protocol
 from kvdata.errors import DaemonError, ProtocolError
+
+import fuzzlib as fl
+from fuzzlib import fuzz_settings
 
 
 @pytest.fixture(scope="module")

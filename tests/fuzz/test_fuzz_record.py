@@ -10,17 +10,18 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-import fuzzlib as fl
 import msgpack
 import numpy as np
 import pytest
-from fuzzlib import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kvdata
 from kvdata.errors import CorruptDatasetError
 from kvdata.format import record as rec
+
+import fuzzlib as fl
+from fuzzlib import fuzz_settings
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,8 @@ import io
 import random
 from typing import Any
 
-import fuzzlib as fl
 import numpy as np
 import pytest
-from fuzzlib import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,6 +22,9 @@ from kvdata.format import ShardEntry, ZstCopy, frames
 from kvdata.format.codec import compress_file
 from kvdata.tiers.homes import Home
 from kvdata.tiers.records import RecordReader
+
+import fuzzlib as fl
+from fuzzlib import fuzz_settings
 
 
 @pytest.fixture(scope="module")

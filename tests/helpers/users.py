@@ -18,6 +18,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -123,3 +124,29 @@ def as_user(user: User, fn: Callable[..., Any], *args: Any, env: dict[str, str] 
     if status == "err":
         raise RemoteFailure(f"{fn.__name__} as {user.name} raised {value}")
     return value
+
+
+def _blocked_for_this_uid(paths: list[str]) -> str | None:
+    """(Run as the test user.) The first path this uid cannot use, with why; None if all can be."""
+    for p in paths:
+        mode = os.X_OK if os.path.isfile(p) else os.R_OK | os.X_OK
+        if not os.access(p, mode):
+            return p
+    return None
+
+
+def cannot_exec_python_as(user: User) -> str | None:
+    """Why `user` cannot start this interpreter and import kvdata in a new process (for a skip
+    reason), or None when it can. A venv under a 0700 home (a pyenv interpreter in /root, a
+    clone in the user's home) is the usual cause: a forked child (as_user) still works there."""
+    import kvdata
+
+    interpreter = os.path.realpath(sys.executable)
+    script = str(Path(sys.executable).parent / "kvdata")
+    package = str(Path(kvdata.__file__).resolve().parent)
+    paths = [interpreter, package] + ([script] if os.path.exists(script) else [])
+    blocked = as_user(user, _blocked_for_this_uid, paths)
+    if blocked is None:
+        return None
+    return (f"{user.name} cannot reach {blocked} (a parent directory is not searchable by other users, "
+            f"e.g. a 0700 home): a new process as that uid cannot run this interpreter/kvdata")

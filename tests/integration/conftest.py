@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from helpers.cli import Cli
 from helpers.daemon import Kit
 from helpers.servers import NginxHome, S3Server, running_nginx, running_s3_server

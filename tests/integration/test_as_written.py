@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.servers import tiers_config
 
 import kvdata
 from kvdata import format as fmt
@@ -35,6 +34,8 @@ from kvdata.store import shards as shards_mod
 from kvdata.store.rebuild import reindex
 from kvdata.store.writer import SEAL_ON_CLOSE_MIN
 from kvdata.tiers.push import push
+
+from helpers.servers import tiers_config
 
 
 def _img(i: int) -> np.ndarray:

@@ -26,9 +26,10 @@ import pytest
 from PIL import Image
 
 import kvdata
-from kvdata.importers.caffe import datum_class, import_caffe
 from kvdata.errors import ConfigError, InvalidKeyError, InvalidValueError, KVDataError
+from kvdata.importers.caffe import datum_class, import_caffe
 from kvdata.reader.open import verify
+
 from helpers.wire import datum_bytes, write_caffe_lmdb
 
 KVDATA = str(Path(sys.executable).parent / "kvdata")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
 
 import kvdata
 
@@ -289,8 +289,14 @@ def test_reindex_restores_keys_and_values(cli: Cli, tmp_path: Path, lose: str) -
 # ---------------------------------------------------------------- import / demo
 
 
+def _pillow() -> Any:
+    """PIL.Image, or a skip where Pillow is not installed (the core-only run of .ci/lowest-versions)."""
+    return pytest.importorskip("PIL.Image", reason="needs Pillow (pip install 'kvdata[images]')")
+
+
 def _image_tree(root: Path) -> dict[str, np.ndarray]:
     """root/<class>/<i>.png: 2 classes x 2 tiny distinct PNGs; returns key -> pixels."""
+    Image = _pillow()
     out = {}
     for c, name in enumerate(["cat", "dog"]):
         (root / name).mkdir(parents=True)
@@ -346,6 +352,7 @@ def test_import_listfile(cli: Cli, tmp_path: Path) -> None:
     cli.ok("verify", ds2)
     with kvdata.open(ds2) as store:
         for key in listed:
+            Image = _pillow()
             want = np.asarray(Image.fromarray(pixels[key]).resize((2, 2), Image.Resampling.BILINEAR))
             assert np.array_equal(store[key]["image"], want)
 
@@ -355,6 +362,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory,
              make_cli: Callable[[Path], Cli]) -> Iterator[tuple[Any, list[str]]]:
     """One `kvdata demo --json --dir DIR` run (about 5 s) shared by the demo tests:
     its JSON summary and what it left in DIR; DIR is removed afterwards (~300 MB)."""
+    pytest.importorskip("sklearn", reason="the demo needs pip install 'kvdata[demo]'")
     base = tmp_path_factory.mktemp("demo")
     work = base / "work"
     r = make_cli(base).ok("demo", "--json", "--dir", work, quiet=False)

@@ -23,9 +23,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.cli import Cli
-from helpers.forked import run_forked
-from helpers.users import User, can_switch_users, make_user
 
 import kvdata
 from kvdata.errors import CorruptDatasetError, MissingShardError, ReadOnlyError, WriterLockedError
@@ -33,6 +30,10 @@ from kvdata.format import names
 from kvdata.reader.open import verify
 from kvdata.store import read_manifest
 from kvdata.store.lock import WriterLock
+
+from helpers.cli import Cli
+from helpers.forked import run_forked
+from helpers.users import User, can_switch_users, cannot_exec_python_as, make_user
 
 SHARD = 64 << 10
 CLASSES = ["cat", "dog", "eel"]
@@ -505,6 +506,8 @@ def test_another_uid_reads_pinned_and_cannot_compact(built: Any, readers: list[R
     """A reader that may not write the dataset still pins the generation compaction made (its
     registry is created readable for everyone), and compaction as that uid is refused."""
     user = make_user("compact")
+    if (why := cannot_exec_python_as(user)) is not None:
+        pytest.skip(why)
     top = Path(tempfile.mkdtemp(prefix="kvc-", dir="/tmp"))
     try:
         os.chmod(top, 0o755)

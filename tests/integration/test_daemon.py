@@ -31,9 +31,19 @@ from kvdata.errors import KVDataError
 from kvdata.protocol import MAX_FRAME, TYPES, Client
 from kvdata.tiers.push import push
 
-from helpers.daemon import (Kit, Raw, assert_error_reply, build_dataset, finish, free_port, manifest, same, snapshot,
-                            tier_files, wait_for)
-
+from helpers.daemon import (
+    Kit,
+    Raw,
+    assert_error_reply,
+    build_dataset,
+    finish,
+    free_port,
+    manifest,
+    same,
+    snapshot,
+    tier_files,
+    wait_for,
+)
 
 # ------------------------------------------------------------------ helpers
 
@@ -42,7 +52,7 @@ def recv_notify(s: socket.socket, timeout: float) -> str | None:
     s.settimeout(timeout)
     try:
         return s.recv(4096).decode()
-    except socket.timeout:
+    except TimeoutError:
         return None
 
 

@@ -24,9 +24,6 @@ from typing import Any
 
 import msgpack
 import pytest
-from helpers.common import free_port, wait_for
-from helpers.daemon import Kit, Raw, assert_error_reply, build_dataset, manifest, same, tier_files
-from helpers.users import User, as_user, can_switch_users, give, make_user
 
 import kvdata
 import kvdata.reader.daemon_client
@@ -38,6 +35,10 @@ from kvdata.errors import DaemonError, RemoteError
 from kvdata.protocol import HEADER, MAX_FRAME, Client
 from kvdata.tiers.http_home import HTTPHome
 from kvdata.tiers.mirror import MAX_MANIFEST_BYTES, mirror
+
+from helpers.common import free_port, wait_for
+from helpers.daemon import Kit, Raw, assert_error_reply, build_dataset, manifest, same, tier_files
+from helpers.users import User, as_user, can_switch_users, give, make_user
 
 NO_USERS = can_switch_users()
 needs_users = pytest.mark.skipif(NO_USERS is not None, reason=f"other uids: {NO_USERS}")

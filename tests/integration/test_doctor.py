@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.cli import Cli
-from helpers.daemon import Kit
-from helpers.servers import NginxHome, publish_http
 
 import kvdata
 from kvdata.errors import InvalidValueError
 from kvdata.reader.doctor import diagnose, parse_rate
+
+from helpers.cli import Cli
+from helpers.daemon import Kit
+from helpers.servers import NginxHome, publish_http
 
 
 def make_dataset(path: Path, n: int = 600) -> Path:

@@ -15,9 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.cli import Cli
-from helpers.daemon import Kit
-from helpers.servers import S3Server, tiers_config, write_toml
 
 import kvdata
 from kvdata.config import ConfigError, parse_config
@@ -28,6 +25,10 @@ from kvdata.tiers.home_merge import merge_at_home
 from kvdata.tiers.homes import open_home
 from kvdata.tiers.push import push
 from kvdata.tiers.records import RecordReader
+
+from helpers.cli import Cli
+from helpers.daemon import Kit
+from helpers.servers import S3Server, tiers_config, write_toml
 
 fsspec = pytest.importorskip("fsspec", reason="fsspec is not installed (pip install 'kvdata[fsspec]')")
 

@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.cli import ERROR_PREFIX, Cli
 
 import kvdata
 from kvdata.config import parse_config
@@ -34,6 +33,8 @@ from kvdata.errors import CommitError, KVDataError
 from kvdata.format import names
 from kvdata.reader.open import open_dataset, verify
 from kvdata.tiers.engine import Engine
+
+from helpers.cli import ERROR_PREFIX, Cli
 
 TMPFS_SIZE = 4 << 20
 BLOCK = 4096

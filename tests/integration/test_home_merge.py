@@ -18,10 +18,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.cli import Cli
-from helpers.forked import run_forked
-from helpers.parts import CLASSES, records, same, write_part
-from helpers.servers import S3Server, write_toml
 
 import kvdata
 from kvdata.errors import CorruptDatasetError, InvalidKeyError, KVDataError, NotADatasetError, ReadOnlyError
@@ -31,6 +27,11 @@ from kvdata.tiers.home_merge import merge, merge_at_home
 from kvdata.tiers.homes import open_home
 from kvdata.tiers.push import push
 from kvdata.tiers.s3_home import S3Home
+
+from helpers.cli import Cli
+from helpers.forked import run_forked
+from helpers.parts import CLASSES, records, same, write_part
+from helpers.servers import S3Server, write_toml
 
 SIZES = (300, 1, 250)
 

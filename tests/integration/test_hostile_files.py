@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.cli import Cli
 
 import kvdata
 from kvdata.errors import CorruptDatasetError, InvalidValueError
+
+from helpers.cli import Cli
 
 
 def _tail(ds: Path) -> Path:

@@ -17,11 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers.common import free_port
-from helpers.daemon import Kit, build_dataset
 
 from kvdata.errors import DaemonError
 from kvdata.tiers.push import push
+
+from helpers.common import free_port
+from helpers.daemon import Kit, build_dataset
 
 
 class _Home(BaseHTTPRequestHandler):

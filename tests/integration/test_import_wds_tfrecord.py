@@ -22,6 +22,7 @@ import kvdata
 from kvdata.errors import InvalidValueError
 from kvdata.importers.tfrecord import import_tfrecord
 from kvdata.importers.wds import import_wds
+
 from helpers.wire import example_bytes, tfrecord_frame
 
 PIL_Image = pytest.importorskip("PIL.Image", reason="the image round trips need Pillow (kvdata[images])")

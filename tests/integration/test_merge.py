@@ -13,9 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.cli import Cli
-from helpers.forked import run_forked
-from helpers.parts import CLASSES, records, same, write_part
 
 import kvdata
 from kvdata.errors import (
@@ -30,6 +27,10 @@ from kvdata.format import names
 from kvdata.reader.open import verify
 from kvdata.store.lock import WriterLock
 from kvdata.store.merge import STAGING, merge
+
+from helpers.cli import Cli
+from helpers.forked import run_forked
+from helpers.parts import CLASSES, records, same, write_part
 
 
 @pytest.fixture(scope="module")

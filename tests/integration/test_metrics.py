@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.daemon import Daemon, Kit, build_dataset, free_port, wait_for
 
 from kvdata_daemon.metrics import METRICS
+
+from helpers.daemon import Daemon, Kit, build_dataset, free_port, wait_for
 
 ODD_TIER = 'ssd "nvme" \\ 1'  # its TOML literal below has no escapes: the name holds " and \
 DASHBOARD = Path(__file__).resolve().parents[2] / "daemon" / "grafana-dashboard.json"

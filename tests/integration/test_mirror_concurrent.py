@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from helpers.servers import S3Server, build_dataset, push_s3
-
 from kvdata.format.codec import file_sha256
 from kvdata.store.generation import read_manifest
 from kvdata.tiers.homes import open_home
 from kvdata.tiers.mirror import mirror
+
+from helpers.servers import S3Server, build_dataset, push_s3
 
 THREADS = 8
 

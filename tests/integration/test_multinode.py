@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import nodelab as nl  # tests/nodelab.py (shared with bench/multinode.py); tests/ is on sys.path
 import pytest
+
+import nodelab as nl  # tests/nodelab.py (shared with bench/multinode.py); tests/ is on sys.path
 
 NODES, RANKS_PER_NODE, EPOCHS, SEED = 2, 2, 3, 7
 SAMPLES, SAMPLE_BYTES, SHARD_SIZE = 64, 64 << 10, "140KB"   # 2 samples a shard: 32 shards, ~4.8 MB

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.cli import KVDATA, Cli
 from PIL import Image
 
 import kvdata
@@ -22,6 +21,8 @@ from kvdata.importers import parts
 from kvdata.importers.folder import import_folder, import_listfile
 from kvdata.importers.parts import bounds
 from kvdata.reader.open import verify
+
+from helpers.cli import KVDATA, Cli
 
 CLASSES = ["ant", "bee", "cow"]
 PER_CLASS = 9

@@ -20,13 +20,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.servers import S3Server, tiers_config
 
 import kvdata
 from kvdata.errors import ChecksumMismatchError
 from kvdata.tiers.homes import SHA256_XATTR, LocalHome, open_home
 from kvdata.tiers.push import push
 from kvdata.tiers.s3_home import S3Home
+
+from helpers.servers import S3Server, tiers_config
 
 N_KEYS = 40          # 4 sealed shards of 10 records at 64 KB
 VALUE_BYTES = 6000

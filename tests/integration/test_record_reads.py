@@ -33,7 +33,7 @@ from kvdata.tiers.keep_set import KEEP_TTL
 from kvdata.tiers.tier import Tier
 
 from helpers.daemon import Kit
-from helpers.servers import NginxHome, S3Server, metadata_bytes, push_s3, push_local, tiers_config
+from helpers.servers import NginxHome, S3Server, metadata_bytes, push_local, push_s3, tiers_config
 
 N = 60
 SHAPE = (160, 160, 3)     # 76.8 KB of noise per sample: incompressible, like photos

@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from helpers.servers import build_dataset, tiers_config, write_toml
-
 from kvdata.reader.open import open_dataset
 from kvdata.tiers import orders
 from kvdata.tiers.engine import Engine
 from kvdata.tiers.orders import SharedOrders
 from kvdata.tiers.tier import Tier
+
+from helpers.servers import build_dataset, tiers_config, write_toml
 
 SHAS = [f"{i:02x}" * 32 for i in range(5)]
 

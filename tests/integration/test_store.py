@@ -17,10 +17,10 @@ import zstandard
 
 import kvdata
 from kvdata import format as fmt
-from kvdata.format import raw_batch
 from kvdata.errors import ReadOnlyError
-from kvdata.store.rebuild import reindex
+from kvdata.format import raw_batch
 from kvdata.reader.open import verify
+from kvdata.store.rebuild import reindex
 
 
 def img(i: int, shape=(40, 40, 3)) -> np.ndarray:
@@ -272,7 +272,7 @@ def test_variable_length_fields_batch_into_one_flat_array_and_offsets(tmp_path: 
         assert t.values.tolist() == tok.values.tolist() and t.offsets.tolist() == tok.offsets.tolist()
 
 
-def _child_read(path: str, q: "mp.Queue") -> None:
+def _child_read(path: str, q: mp.Queue) -> None:
     s = _PARENT_STORE if _PARENT_STORE is not None else kvdata.open(path)
     q.put([int(v["image"][0, 0, 0]) for v in s.get_many([0, 5, 64])] + [bytes(s["tailkey"]).decode()])
 

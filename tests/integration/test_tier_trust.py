@@ -35,14 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.servers import S3Server, build_dataset, push_s3, tiers_config, write_toml
-from helpers.users import as_user, can_switch_users, give, make_user
 
 import kvdata
 from kvdata.format import ShardEntry
 from kvdata.reader.open import open_dataset
 from kvdata.tiers.engine import Engine
 from kvdata.tiers.tier import Tier
+
+from helpers.servers import S3Server, build_dataset, push_s3, tiers_config, write_toml
+from helpers.users import as_user, can_switch_users, give, make_user
 
 N_SAMPLES = 160  # 12 sealed shards of ~124 KiB
 NO_USERS = can_switch_users()

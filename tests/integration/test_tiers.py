@@ -25,12 +25,11 @@ import numpy as np
 import pytest
 
 import kvdata
-from kvdata.reader.open import open_dataset
+from kvdata.errors import ChecksumMismatchError, ConfigError, KVDataError
 from kvdata.format.codec import compress_file
-from kvdata.errors import ConfigError, KVDataError
-from kvdata.tiers.homes import open_home
+from kvdata.reader.open import open_dataset
 from kvdata.tiers.engine import Engine
-from kvdata.errors import ChecksumMismatchError
+from kvdata.tiers.homes import open_home
 from kvdata.tiers.tier import Tier
 
 from helpers.cli import Cli

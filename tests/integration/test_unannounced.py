@@ -388,10 +388,10 @@ def test_recipe_code_paths_without_the_libraries(tmp_path: Path, env_config: Any
 
 # ------------------------------------------------------------------ through kvdatad
 
-READER = """
+READER = f"""
 import json, os, sys, time
 import numpy as np
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {str(TESTS)!r})
 import kvdata, torch.utils.data
 ds, mode, epochs, tier = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 stop = sys.argv[5] if len(sys.argv) > 5 else None
@@ -429,7 +429,7 @@ else:
         before = r["shard_bytes_from_home"]
     if stop:
         open(stop, "w").close()
-""".format(tests=str(TESTS))
+"""
 
 
 def one_tier_daemon(kit: Kit, budget: int) -> Any:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kvdata import format as fmt
-from kvdata.errors import ConfigError, InvalidKeyError, InvalidValueError
 from kvdata._util.sizes import parse_size
+from kvdata.errors import ConfigError, InvalidKeyError, InvalidValueError
 
 DTYPES = [np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_, np.complex64, ">i4"]
 
@@ -25,7 +25,8 @@ def decode(rec: bytes):
 
 
 @settings(max_examples=60, deadline=None)
-@given(key=st.text(min_size=1, max_size=40).filter(lambda k: "\x00" not in k and k.encode("utf-8", "ignore") == k.encode("utf-8", "surrogatepass")),
+@given(key=st.text(min_size=1, max_size=40).filter(
+           lambda k: "\x00" not in k and k.encode("utf-8", "ignore") == k.encode("utf-8", "surrogatepass")),
        payload=st.binary(max_size=3000))
 def test_raw_round_trip(key: str, payload: bytes) -> None:
     rec, label, layout = fmt.encode_record(key, payload, 7)
