@@ -25,7 +25,7 @@ import pytest
 # pointed at directories of their own under the test's temp dir
 DIRS = {"HOME": "home", "XDG_CONFIG_HOME": "config", "XDG_CACHE_HOME": "cache", "XDG_RUNTIME_DIR": "run"}
 # removed: each would override the directories above or make a process act as a systemd service
-UNSET = ("KVDATA_CONFIG", "KVDATA_SOCKET", "KVDATA_S3_ADDRESSING",
+UNSET = ("KVDATA_CONFIG", "KVDATA_SOCKET", "KVDATA_S3_ADDRESSING", "KVDATA_ZERO_COPY_COLLATE",
          "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
 
 
