@@ -44,7 +44,9 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
     - rank/world_size default to torch.distributed when it is initialized; every rank
       gets len(self) samples (wrap-around padding, or dropping with drop_last) from a
       contiguous slice of the epoch order, so a rank touches ~1/world of the shards;
-    - state_dict()/load_state_dict() resume mid-epoch exactly;
+    - state_dict()/load_state_dict() resume mid-epoch exactly, through kvdata.Loader or
+      torchdata's StatefulDataLoader (which saves this state with each batch it hands out and
+      loads it before its next iterator draws an index; see state_dict);
     - shard_order(epoch) is the shard sequence this rank will read, for the stager.
 
     locality=True (for many nodes, each with its own tier): each node reads a stable part of
@@ -92,7 +94,9 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         self._reader = f"sampler-{os.getpid()}-{id(self):x}-rank{self.rank}"
         self.epoch = 0
         self._start = 0        # where the next __iter__ begins (set by load_state_dict)
-        self._yielded = 0      # position reached by the current iterator
+        # position reached by the current iterator: a cell of its own per iterator, so an older
+        # iterator (one a DataLoader dropped) never moves the newest one's position
+        self._cursor = [0]
         # locality only: earlier runs of this epoch on other worlds, [(nodes, world_size, position)],
         # from load_state_dict; the next __iter__ reads what they left
         self._history: tuple[tuple[int, int, int], ...] = ()
@@ -102,13 +106,18 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def _yielded(self) -> int:
+        """Position reached by the current iterator (what state_dict() saves by default)."""
+        return self._cursor[0]
+
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning (or, right after load_state_dict of that
         same epoch, from the saved position)."""
         if epoch != self.epoch:
             self._start, self._history, self._resuming = 0, (), False
         self.epoch = int(epoch)
-        self._yielded = self._start
+        self._cursor = [self._start]
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's sample indices for an epoch, in order (numpy, computed once per epoch).
@@ -137,19 +146,29 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         return blocked.first_use_order(self._shards[idx])
 
     def __iter__(self) -> Iterator[int]:
+        """The epoch's indices from where it stands. The iterator begins at its first next() (a
+        set_epoch or load_state_dict before that still applies to it), but from iter() on,
+        state_dict() says where it will begin: StatefulDataLoader takes one as it creates its
+        iterator, before any index is drawn."""
         if not self._resuming:           # iterating an epoch again starts it from its beginning
+            self._start, self._history = 0, ()
+        self._cursor = [self._start]
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[int]:
+        if not self._resuming:
             self._start, self._history = 0, ()
         self._resuming = False
         mine = self.indices()
         start, self._start = self._start, 0
-        self._yielded = start
+        cursor = self._cursor = [start]
         step = self._announce(mine, start)
         chunk = 256 if step is None else 32  # report progress often enough for the stager
         for chunk_start in range(start, len(mine), chunk):
             if step is not None:
                 step(chunk_start)
             for i in mine[chunk_start:chunk_start + chunk].tolist():
-                self._yielded += 1
+                cursor[0] += 1
                 yield i
 
     def _announce(self, mine: np.ndarray, start: int) -> Any:
@@ -196,14 +215,23 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
                                               self.world_size, self.drop_last)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """Where to resume. `consumed` = samples of this epoch the training loop has
-        processed (e.g. batches_done * batch_size); by default the number this
-        sampler has yielded, which runs ahead of training when a DataLoader prefetches."""
+        """Where to resume (plain ints, cheap: StatefulDataLoader asks for it at every batch).
+
+        `consumed` = samples of this epoch the training loop has processed (e.g. batches_done
+        * batch_size); by default the number the current iterator has yielded. That runs ahead
+        of training when a DataLoader prefetches, except under torchdata's StatefulDataLoader:
+        its worker processes get each batch's indices from the main process, which takes this
+        state right after drawing them and hands it back with that batch, so the state it saves
+        counts exactly the samples of the batches the loop has received (with num_workers=0
+        nothing is drawn ahead). `end` is where this epoch ends for the rank (len(self), or
+        less in an epoch resumed onto another world): a state at its end is a finished epoch.
+        """
         pos = self._yielded if consumed is None else int(consumed)
         state: dict[str, Any] = {"version": STATE_VERSION, "epoch": self.epoch, "position": pos, "seed": self.seed,
                                  "window": self.window, "shuffle": self.shuffle, "world_size": self.world_size,
                                  "rank": self.rank, "drop_last": self.drop_last, "num_samples": self.num_samples,
-                                 "dataset_size": int(len(self._shards))}
+                                 "dataset_size": int(len(self._shards)),
+                                 "end": self.num_samples if not self._history else len(self.indices())}
         if self.locality:  # a few numbers whatever the dataset size: the rest is derived from them
             state.update(locality=True, exchange=self.exchange, nodes=self.nodes,
                          history=[list(h) for h in self._history])
@@ -217,6 +245,12 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
         epoch the saved world had not read, exactly once (plus padding of fewer than
         world_size, or minus a drop_last remainder), in equal counts per rank, each node its
         own part of the shards. That epoch yields fewer than len(self) samples; the next is whole.
+
+        A state taken at the end of its epoch (every sample of it yielded) loaded onto a sampler
+        already set to a later epoch (set_epoch) leaves that epoch to start from its beginning:
+        StatefulDataLoader loads its saved state when its next iterator is created, which is
+        after the training loop's set_epoch(e + 1) when the checkpoint closed epoch e. Any other
+        state sets the epoch and position it holds.
         """
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"sampler state version {state.get('version')} is not {STATE_VERSION}")
@@ -231,23 +265,24 @@ class ShardShuffleSampler(torch.utils.data.Sampler[int]):
                 raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has {mine!r}; "
                                  "resume with the same settings and dataset")
         pos = int(state["position"])
-        if not self.locality:
-            if not 0 <= pos <= self.num_samples:
-                raise ValueError(f"sampler state position {pos} is outside [0, {self.num_samples}]")
-            history: tuple[tuple[int, int, int], ...] = ()
-        else:
-            history = _parse_history(state)
-            s_nodes, s_world = int(state["nodes"]), int(state["world_size"])
-            bound = blocked.samples_per_rank(len(self._shards), s_world, self.drop_last)
-            if not 0 <= pos <= bound:
-                raise ValueError(f"sampler state position {pos} is outside [0, {bound}]")
+        history: tuple[tuple[int, int, int], ...] = _parse_history(state) if self.locality else ()
+        s_world = int(state["world_size"])
+        bound = blocked.samples_per_rank(len(self._shards), s_world, self.drop_last)  # len(self) unless locality
+        if not 0 <= pos <= bound:
+            raise ValueError(f"sampler state position {pos} is outside [0, {bound}]")
+        if int(state["epoch"]) < self.epoch and pos >= int(state.get("end", bound)):
+            self._start, self._history, self._resuming = 0, (), False   # that epoch is done: keep this one
+            self._cursor = [0]
+            return
+        if self.locality:
+            s_nodes = int(state["nodes"])
             if (s_nodes, s_world) != (self.nodes, self.world_size):
                 # another world: this one reads what the saved run left of the epoch
                 history, pos = history + ((s_nodes, s_world, pos),), 0
         self.epoch = int(state["epoch"])
         self._history = history
         self._start = pos
-        self._yielded = self._start
+        self._cursor = [self._start]
         self._resuming = True
 
 
