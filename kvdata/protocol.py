@@ -77,7 +77,10 @@ SHARD_KINDS = ("mdb", "zst")  # which file of a shard a passed descriptor is
 
 
 def encode(msg: Mapping[str, Any]) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
+    try:
+        body = msgpack.packb(msg, use_bin_type=True)
+    except (ValueError, TypeError, OverflowError) as e:  # nested past msgpack's limit (512 before 1.1), an odd type
+        raise ProtocolError(f"message cannot be encoded: {e}") from None
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte frame limit")
     return HEADER.pack(len(body)) + body

@@ -29,7 +29,7 @@ import kvdata
 import kvdata.reader.daemon_client
 import kvdata.reader.open
 import kvdata.store.verify
-import kvdata.tiers.engine
+import kvdata.tiers.staging
 from kvdata.config import ConfigError, DaemonConfig, normalize_home_url
 from kvdata.errors import DaemonError, RemoteError
 from kvdata.protocol import HEADER, MAX_FRAME, Client
@@ -226,11 +226,15 @@ def test_uid_b_stages_its_own_dataset_by_passing_the_shard_files(trust: Trust) -
 def run_cli(*args: str) -> tuple[int, str, str]:
     """The `kvdata` command group with its error handling, run by the calling uid (in the forked
     child: the console script under /root is not executable by the test users)."""
+    import inspect
+
     from click.testing import CliRunner
 
     from kvdata.cli import main
 
-    r = CliRunner().invoke(main, list(args))
+    # click < 8.2 mixes stderr into stdout unless told not to (8.2 removed the option)
+    separate = {"mix_stderr": False} if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters else {}
+    r = CliRunner(**separate).invoke(main, list(args))
     return r.exit_code, r.stdout, r.stderr
 
 
