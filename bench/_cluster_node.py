@@ -57,9 +57,9 @@ import numpy as np
 from _cluster_plan import RankEpoch
 
 from kvdata.tiers import policy
-from kvdata.tiers.keep_set import KEEP_READING, KEEP_TTL
 from kvdata.tiers.records import IN_FLIGHT
 from kvdata.tiers.source import MAX_OPEN, max_open_within
+from kvdata.tiers.staging.keep_set import KEEP_READING, KEEP_TTL
 
 MODES = ("daemon", "shared", "private")
 INF = float("inf")

@@ -16,8 +16,8 @@ from typing import Any
 from kvdata.config import Config
 from kvdata.errors import BadRequest
 from kvdata.tiers import Manifest, ShardEntry
-from kvdata.tiers.engine import Engine
 from kvdata.tiers.homes import Home, PassedFiles
+from kvdata.tiers.staging import Engine
 
 from .trust import Peer
 

@@ -42,9 +42,9 @@ from kvdata.config import Config
 from kvdata.errors import BadRequest, NotAllowed, RemoteError, StaleManifest
 from kvdata.protocol import PROTOCOL_VERSION
 from kvdata.tiers import ShardEntry
-from kvdata.tiers.engine import Engine
 from kvdata.tiers.homes import Home, PassedFiles
 from kvdata.tiers.mirror import manifest_from_fd, open_mirror_files
+from kvdata.tiers.staging import Engine
 
 from .datasets import Datasets, is_url, passed_key
 from .passed import Passed, PassedDescriptors, close_when_done

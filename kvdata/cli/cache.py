@@ -16,7 +16,7 @@ from .output import format_size, print_json, progress
 
 if TYPE_CHECKING:
     from ..protocol import Client
-    from ..tiers.engine import Engine
+    from ..tiers.staging import Engine
 
 
 def _daemon() -> Client | None:
@@ -39,7 +39,7 @@ def _location(dataset: str) -> str:
 def _engine() -> Engine:
     """Local tiers, for when no daemon answers."""
     from ..config import load_config
-    from ..tiers.engine import Engine
+    from ..tiers.staging import Engine
 
     return Engine(load_config())
 

@@ -24,9 +24,9 @@ from ..errors import DaemonError, DaemonUnavailable, KVDataError
 from ..format import ShardEntry, names
 from ..protocol import MAX_FDS, Client, close_fds, flag_set
 from ..store.shards import OpenedCopy
-from ..tiers.engine import Engine
 from ..tiers.homes import Home
-from ..tiers.keep_set import KEEP_TTL
+from ..tiers.staging import Engine
+from ..tiers.staging.keep_set import KEEP_TTL
 from .daemon_requests import open_request, shard_file
 
 PROGRESS_INTERVAL = 0.05  # seconds between progress reports of one reader to kvdatad

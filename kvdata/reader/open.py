@@ -24,10 +24,10 @@ from ..format import names
 from ..protocol import connect
 from ..store import Store
 from ..store.verify import verify_store
-from ..tiers.engine import Engine
 from ..tiers.homes import is_url, open_home
 from ..tiers.mirror import cache_root, mirror
 from ..tiers.source import EngineSource, max_open_within
+from ..tiers.staging import Engine
 from .daemon_client import DaemonStager
 from .daemon_requests import open_root
 

@@ -44,7 +44,7 @@ class ClaimFiles:
         """Hold a shared flock on the claim file `locks/claims-<uid>/<name>` (created if needed)
         for as long as the returned descriptor stays open: other processes see the claim
         (`claims`) until it is closed or its process dies. The engine claims the datasets it
-        reads, in the mode it reads them (kvdata.tiers.engine, the policy for unannounced orders)."""
+        reads, in the mode it reads them (kvdata.tiers.staging, the policy for unannounced orders)."""
         d = self._claims_dir(create=True)
         fd = os.open(d / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:

@@ -9,7 +9,7 @@ announced an order over is read *shard-aware*: staged whole, ahead of the order.
 Which datasets are read, and how, is shared by every process of this uid through claim files in
 each tier's locks directory (flocked while held; Tier.claim/claims): a DataLoader worker sees the
 sampler's announcement in the main process, and an engine never evicts another process's resident
-set (whose threshold sha256 the claim file carries). The staging engine (kvdata.tiers.engine)
+set (whose threshold sha256 the claim file carries). The staging engine (kvdata.tiers.staging)
 asks this module which tiers a shard may go to and which copies it must not evict.
 """
 

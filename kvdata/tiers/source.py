@@ -7,8 +7,8 @@ from pathlib import Path
 
 from ..format import ShardEntry
 from ..store.shards import OpenedCopy
-from .engine import Engine
 from .homes import Home
+from .staging import Engine
 
 MAX_OPEN = 16          # staged shards a reader keeps mapped, at most
 TIER_SHARE = 8          # ... and at most 1/TIER_SHARE of the fastest tier, so prefetching and keeping have room
@@ -55,7 +55,7 @@ class EngineSource:
         self.engine.unpin(entry.sha256)
 
     def wants_whole(self, entry: ShardEntry) -> bool:
-        return self.engine.wants_whole(self._home, entry)  # the policy for unannounced orders (engine.py)
+        return self.engine.wants_whole(self._home, entry)  # the policy for unannounced orders (staging/engine.py)
 
     def read_records(self, requests: Sequence[tuple[ShardEntry, Sequence[int]]]) -> list[list[bytes] | None]:
         """From the home's framed cold copies (kvdata.tiers.records); None for a shard of a
@@ -63,7 +63,7 @@ class EngineSource:
         from .records import reader_for
 
         engine = self.engine
-        return reader_for(self._home, lambda n: engine.count("bytes_from_home", n), self._tables).read_many(requests)
+        return reader_for(self._home, lambda n: engine.stats.add("bytes_from_home", n), self._tables).read_many(requests)
 
     def need(self, entries: Sequence[ShardEntry]) -> None:
         self.engine.start_many(self._home, list(entries))

@@ -6,7 +6,7 @@ Readers hold a shared flock on the copies they map, so eviction (which needs an 
 one) never takes a shard being read; on Linux an unlinked file also stays readable through
 an existing map, so eviction never fails a read. A tier whose directory vanishes or whose
 writes fail reports why (`problem`) and is skipped for a while. The staging engine that
-fills tiers is kvdata.tiers.engine.
+fills tiers is kvdata.tiers.staging.
 
 **The budget holds across processes.** Every byte that enters a tier is reserved first,
 under the tier's budget lock (`locks/budget-<uid>.lock`, an exclusive flock held for a

@@ -32,7 +32,7 @@ from kvdata.config import parse_config
 from kvdata.errors import CommitError, KVDataError
 from kvdata.format import names
 from kvdata.reader.open import open_dataset, verify
-from kvdata.tiers.engine import Engine
+from kvdata.tiers.staging import Engine
 
 from helpers.cli import ERROR_PREFIX, Cli
 

@@ -29,7 +29,7 @@ from kvdata.format.codec import compress_file, zst_copy
 from kvdata.reader.daemon_client import DaemonStager
 from kvdata.reader.open import open_dataset
 from kvdata.tiers.homes import open_home
-from kvdata.tiers.keep_set import KEEP_TTL
+from kvdata.tiers.staging.keep_set import KEEP_TTL
 from kvdata.tiers.tier import Tier
 
 from helpers.daemon import Kit
@@ -353,8 +353,8 @@ def test_a_batch_fetches_every_shard_at_once(env: Env, tmp_path: Path, record_mo
     import time
 
     from kvdata.store import Store
-    from kvdata.tiers.engine import Engine
     from kvdata.tiers.source import EngineSource
+    from kvdata.tiers.staging import Engine
 
     delay = 0.3
     home = SlowHome(env.src, delay)

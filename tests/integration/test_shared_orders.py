@@ -21,8 +21,8 @@ from pathlib import Path
 
 from kvdata.reader.open import open_dataset
 from kvdata.tiers import orders
-from kvdata.tiers.engine import Engine
 from kvdata.tiers.orders import SharedOrders
+from kvdata.tiers.staging import Engine
 from kvdata.tiers.tier import Tier
 
 from helpers.servers import build_dataset, tiers_config, write_toml
@@ -188,7 +188,7 @@ WORKER = r"""
 import json, sys
 from kvdata.config import load_config
 from kvdata.reader.open import open_dataset
-from kvdata.tiers.engine import Engine
+from kvdata.tiers.staging import Engine
 eng = Engine(load_config(), prefetch=False)
 store = open_dataset(sys.argv[1], engine=eng, use_daemon=False)
 entry = store.manifest.shards[int(sys.argv[2])]

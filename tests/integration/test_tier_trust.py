@@ -39,7 +39,7 @@ import pytest
 import kvdata
 from kvdata.format import ShardEntry
 from kvdata.reader.open import open_dataset
-from kvdata.tiers.engine import Engine
+from kvdata.tiers.staging import Engine
 from kvdata.tiers.tier import Tier
 
 from helpers.servers import S3Server, build_dataset, push_s3, tiers_config, write_toml
@@ -68,7 +68,7 @@ import kvdata.tiers.fetch as fetch
 from kvdata.config import load_config
 from kvdata.errors import NoRoomError
 from kvdata.reader.open import open_dataset
-from kvdata.tiers.engine import Engine
+from kvdata.tiers.staging import Engine
 
 delay = float(os.environ.get("KVT_DELAY", "0"))
 if delay:

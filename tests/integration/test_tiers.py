@@ -28,8 +28,8 @@ import kvdata
 from kvdata.errors import ChecksumMismatchError, ConfigError, KVDataError
 from kvdata.format.codec import compress_file
 from kvdata.reader.open import open_dataset
-from kvdata.tiers.engine import Engine
 from kvdata.tiers.homes import open_home
+from kvdata.tiers.staging import Engine
 from kvdata.tiers.tier import Tier
 
 from helpers.cli import Cli
@@ -525,7 +525,7 @@ def test_prefetch_goes_on_around_a_shard_held_by_a_reader(homes: Homes, tmp_path
         rng = sample_range(src, int(held["id"]))
         assert records(st, rng) == [src.ref[i] for i in rng]
         eng = st.engine
-        eng.lookahead_share = 1.0  # a 4-shard tier prefetching the whole budget ahead: the order alone decides
+        eng.planner.lookahead_share = 1.0  # a 4-shard tier prefetching the whole budget ahead: the order alone decides
         eng.announce("other", st.home, others, 0)
         for pos in range(0, 5):
             eng.progress("other", pos)
@@ -546,7 +546,7 @@ STAGER = r"""
 import sys
 from kvdata.reader.open import open_dataset
 from kvdata.config import load_config
-from kvdata.tiers.engine import Engine
+from kvdata.tiers.staging import Engine
 
 eng = Engine(load_config(), part_size=2048, workers=2, parts_in_flight=2)
 store = open_dataset(sys.argv[1], engine=eng)

@@ -246,12 +246,12 @@ def test_the_next_epochs_start_reaches_the_engine(tmp_path: Path, env_config: An
         engine = dataset.store.engine
         sampler = kvdata.ShardShuffleSampler(dataset, window=2)
         next(iter(sampler))
-        demand = engine._demands[sampler._reader]
+        demand = engine.planner.demand(sampler._reader)
         this_epoch = len(set(dataset.store.sample_shards.tolist()))
         assert demand.next_start == this_epoch == len(shards) and len(demand.sequence) == 2 * this_epoch
         tail = len(shards) + 5  # an id past the sealed shards: the open tail's
         dataset.announce("r", [0, tail, 1, 2, tail, 3], next_start=3)
-        d = engine._demands["r"]
+        d = engine.planner.demand("r")
         assert d.sequence == tuple(shards[i].sha256 for i in (0, 1, 2, 3)) and d.next_start == 2
         for bad in (-1, 7, True):
             with pytest.raises(ValueError, match="next_start must be an index"):

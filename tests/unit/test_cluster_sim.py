@@ -20,7 +20,7 @@ import pytest
 
 from kvdata.reader.sampler import ShardShuffleSampler
 from kvdata.tiers import policy
-from kvdata.tiers.keep_set import KEEP_READING
+from kvdata.tiers.staging.keep_set import KEEP_READING
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

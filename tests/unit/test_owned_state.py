@@ -54,11 +54,6 @@ KNOWN: dict[str, str] = {
     "Datasets": "daemon/datasets.py",
     "PassedDescriptors": "daemon/passed.py",
     "ServiceState": "daemon/service_state.py",
-    # kvdata/tiers: the staging Engine's parts, mixins over engine_state.EngineState (tiers/staging/ replaces them)
-    "EngineState": "kvdata/tiers/engine_state.py",
-    "KeepSet": "kvdata/tiers/keep_set.py",
-    "Planner": "kvdata/tiers/planner.py",
-    "TierStaging": "kvdata/tiers/tier_staging.py",
     # kvdata/tiers: Tier's claim-file methods over its `locks`, and Home's `where` over the `url` its homes set
     "ClaimFiles": "kvdata/tiers/claim_files.py",
     "Home": "kvdata/tiers/home_base.py",

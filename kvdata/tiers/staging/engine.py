@@ -1,4 +1,4 @@
-"""The staging engine: verified copies of sealed shards into RAM/SSD/HDD tiers (kvdata.tiers).
+"""The staging engine: verified copies of sealed shards into RAM/SSD/HDD tiers (kvdata.tiers.staging).
 
 A staged copy is named by its shard's sha256 (content addressing): every job and
 user reading the same shard shares one file, and a dataset rewritten at home can
@@ -14,11 +14,11 @@ tier's budget lock before a byte is fetched (kvdata.tiers.tier: copies plus temp
 flight, evicting to fit). A shard that no tier has room for -- larger than every budget,
 or every tier full of copies that readers hold -- is not staged: it is read where it lies
 (a local home), or fetched, verified, into a private sealed copy in memory that only this
-reader maps; and for CONGESTED_SECONDS after that, shards this engine finds unstaged are read
-record by record (wants_whole), so readers that together need more shards at once than the
-tier holds do not each fetch whole copies only to throw them away.
+reader maps; and for keep_set.CONGESTED_SECONDS after that, shards this engine finds unstaged
+are read record by record (wants_whole), so readers that together need more shards at once
+than the tier holds do not each fetch whole copies only to throw them away.
 
-Which shards a tier holds is decided by kvdata.policy from the orders readers
+Which shards a tier holds is decided by kvdata.tiers.policy from the orders readers
 announce: prefetch the next-needed shards that fit, evict the furthest.
 
 **Unannounced orders.** A dataset read while nobody announced an order for it is read in
@@ -26,41 +26,42 @@ announce: prefetch the next-needed shards that fit, evict the furthest.
 shards, never evicted while the dataset is read so; every other shard is not staged
 (`wants_whole` says False, so the reader reads its records one by one; a reader that stages it
 whole anyway gets a private copy in memory that no tier keeps).
+
+Engine is a facade over parts that each own their state: a TierStager per tier (admission,
+eviction, the copy), the KeepSet (whole copy or record reads), the Planner (announced orders,
+the planner thread, the plan), Jobs (the copies in flight), Pins and KnownShards.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .._util.sizes import format_size
-from ..config import Config
-from ..errors import ConfigError, KVDataError, NoRoomError, StagingAbortedError, TierFailedError
-from ..format import ShardEntry
-from ..store.shards import OpenedCopy
-from . import policy
-from .claims import ORDER_PREFIX_SHARDS, ReadModes
-from .engine_state import Counters, Known
-from .fetch import Fetcher
-from .homes import Home
-from .keep_set import CONGESTED_SECONDS, KeepSet
-from .orders import SharedOrders
+from ..._util.sizes import format_size
+from ...config import Config
+from ...errors import ConfigError, KVDataError, NoRoomError, StagingAbortedError, TierFailedError
+from ...format import ShardEntry
+from ...store.shards import OpenedCopy
+from .. import policy
+from ..claims import ORDER_PREFIX_SHARDS, ReadModes
+from ..fetch import Fetcher
+from ..homes import Home
+from ..tier import Tier
+from .counters import Counters
+from .jobs import Jobs
+from .keep_set import KeepSet
+from .known import KnownShards
 from .planner import Planner
-from .tier import PIN_SECONDS, Tier
-from .tier_staging import TierStaging
+from .tier_stager import Pins, TierStager, private_copy
 
 
-class Engine(Planner, TierStaging, KeepSet):
-    """Stages shards into tiers on demand and ahead of announced orders. Its parts, each a
-    mixin over engine_state.EngineState: keep_set.KeepSet (whole copy or record reads),
-    tier_staging.TierStaging (one copy into one tier), planner.Planner (the planner thread)."""
+class Engine:
+    """Stages shards into tiers on demand and ahead of announced orders; says which shards
+    readers read whole (wants_whole); maintenance and status."""
 
     def __init__(self, config: Config, *, workers: int = 3, part_size: int = 8 << 20, parts_in_flight: int = 8,
                  prefetch: bool = True, lookahead: int = 16, lookahead_share: float = policy.LOOKAHEAD_SHARE,
@@ -73,39 +74,44 @@ class Engine(Planner, TierStaging, KeepSet):
         probe_open: never evict a copy any process has open or mapped (Tier.probe_open; kvdatad)."""
         self.config = config
         self.probe_open = probe_open
-        self.tiers = [Tier(t) for t in config.tiers]
+        self.prefetch = prefetch
+        self.tiers = self._open_tiers(config)
         for t in self.tiers:
-            t.probe_open = probe_open
-            t.ensure()
             try:
                 t.clean_partials()
             except OSError as e:
                 t.fail(e.strerror or str(e))
-        self.part_size, self.parts_in_flight, self.prefetch = part_size, parts_in_flight, prefetch
-        self.lookahead, self.lookahead_share = lookahead, lookahead_share
-        self._parts = ThreadPoolExecutor(max(4, parts_in_flight * workers), thread_name_prefix="kvdata-part")
-        self._jobs = ThreadPoolExecutor(workers, thread_name_prefix="kvdata-stage")
-        self._workers = workers
-        self._lock = threading.RLock()
-        self._inflight: dict[tuple[str, str], Future[Path]] = {}
-        self._need_now: weakref.WeakSet[Future[Path]] = weakref.WeakSet()  # jobs that waited for room
-        self._demands: dict[str, policy.Demand] = {}
-        self._known: dict[str, Known] = {}
         self.stats = Counters()
-        self._stats_lock = threading.Lock()
-        self._pinned: dict[str, float] = {}  # sha -> until when: just staged for a waiting reader
-        self._closed = False
-        self._abort = threading.Event()
-        self._fetcher = Fetcher(self._parts, part_size, parts_in_flight, self._abort,
-                                lambda n: self.count("bytes_from_home", n), verify_content)
-        self._plan_event = threading.Event()
-        self._planner: threading.Thread | None = None
-        self._planner_pid = -1
         self.modes = ReadModes(lambda: self.tiers)  # who reads which dataset how (shard-aware, random)
-        self._congested_until = 0.0  # see CONGESTED_SECONDS
-        self._keep_cache: tuple[float, set[str] | None, frozenset[str]] = (0.0, None, frozenset())
-        self._admitted: tuple[int, set[str] | None] = (0, None)  # (the orders' hash, the keep set last given for them)
-        self._orders = SharedOrders()  # announced orders published in the tiers, ours and other processes'
+        self._closing = threading.Event()
+        self._abort = threading.Event()
+        self._parts = ThreadPoolExecutor(max(4, parts_in_flight * workers), thread_name_prefix="kvdata-part")
+        self._fetcher = Fetcher(self._parts, part_size, parts_in_flight, self._abort,
+                                lambda n: self.stats.add("bytes_from_home", n), verify_content)
+        self._known = KnownShards()
+        self._pins = Pins()
+        self.planner = Planner(self._plan_pass, self.modes, self.stats, lookahead=lookahead,
+                               lookahead_share=lookahead_share)
+        self.keep = KeepSet(self.planner, self._known, self.modes, lambda: self.tiers)
+        self._jobs = Jobs(workers, self._closing, self._done)
+        self._stagers = [self._stager_for(t) for t in self.tiers]
+
+    def _open_tiers(self, config: Config) -> list[Tier]:
+        tiers = [Tier(t) for t in config.tiers]
+        for t in tiers:
+            t.probe_open = self.probe_open
+            t.ensure()
+        return tiers
+
+    def _stager_for(self, tier: Tier) -> TierStager:
+        return TierStager(tier, fetcher=self._fetcher, sources=lambda: self.tiers, orders=self.planner, keep=self.keep,
+                          modes=self.modes, pins=self._pins, stats=self.stats, closing=self._closing)
+
+    def _stager(self, tier: str) -> TierStager:
+        stager = next((s for s in self._stagers if s.tier.name == tier), None)
+        if stager is None:
+            raise ConfigError(f"no tier named {tier!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+        return stager
 
     # ------------------------------------------------------------ budgets and lookup
 
@@ -132,36 +138,35 @@ class Engine(Planner, TierStaging, KeepSet):
         staging it now if needed. The copy is a path, or (no tier had room) an open descriptor
         of a private sealed copy in memory, which the caller then owns."""
         sha = entry.sha256
-        self._known.setdefault(sha, Known(home, entry))
+        self._known.learn(home, entry)
         self._name(home, entry)
-        tiers = self._tiers_for(entry)
+        tiers = self.modes.tiers_for(sha)
         # a random-order dataset's shard outside its resident set is not served from a tier even
         # when a copy lies there (left by a shard-aware phase): mapping it would keep it from eviction
         p = next((t.path(sha) for t in tiers if t.has(sha)), None)
         if p is not None:
-            self.count("hits", 1)
+            self.stats.add("hits", 1)
             return p, True
         local = home.local_path(f"shards/{entry.name}")
         if local is not None and not self.config.stage_local and local.exists():
-            self.count("home_reads", 1)
-            self._fetched(entry)
+            self.stats.add("home_reads", 1)
+            self.modes.fetched(entry)
             return local, False
-        self.count("misses", 1)
+        self.stats.add("misses", 1)
         t0 = time.monotonic()
         try:
-            if not tiers or self._bypass(sha):  # random order, not resident; or read once this pass: never kept
+            if not tiers or self.keep.bypass(sha):  # random order, not resident; or read once this pass: never kept
                 if not tiers:
-                    self.count("random_misses", 1)
+                    self.stats.add("random_misses", 1)
                 if local is not None and local.exists():  # a local (or NFS) home: read in place
-                    self.count("home_reads", 1)
-                    self._fetched(entry)
+                    self.stats.add("home_reads", 1)
+                    self.modes.fetched(entry)
                     return local, False
                 return self._private_copy(home, entry), False
-            with self._lock:  # keep it from eviction until the reader has mapped (and locked) it
-                self._pinned[sha] = time.monotonic() + PIN_SECONDS
+            self._pins.pin(sha)  # kept from eviction until the reader has mapped (and locked) it
             return self._stage_now(home, entry, tiers)
         finally:
-            self.count("stall_seconds", time.monotonic() - t0)
+            self.stats.add("stall_seconds", time.monotonic() - t0)
 
     def start_many(self, home: Home, entries: list[ShardEntry]) -> None:
         """A batch needs these shards now: start staging every one that is not anywhere yet,
@@ -171,20 +176,18 @@ class Engine(Planner, TierStaging, KeepSet):
             return
         for e in entries:
             if self.fastest_copy(e.sha256) is None and (home.local_path("") is None or self.config.stage_local):
-                target = next((t for t in self._tiers_for(e) if t.healthy()), None)
-                if target is None or self._bypass(e.sha256):  # random order, not resident; or bypassed
+                target = next((t for t in self.modes.tiers_for(e.sha256) if t.healthy()), None)
+                if target is None or self.keep.bypass(e.sha256):  # random order, not resident; or bypassed
                     continue
-                with self._lock:
-                    self._pinned[e.sha256] = time.monotonic() + PIN_SECONDS
+                self._pins.pin(e.sha256)
                 self.stage(home, e, target.name, need_now=True)
 
-    def _stage_now(self, home: Home, entry: ShardEntry,
-                   tiers: list[Tier] | None = None) -> tuple[Path | OpenedCopy, bool]:
-        """Stage into the fastest healthy tier (of `tiers`) with room; a tier that fails is
+    def _stage_now(self, home: Home, entry: ShardEntry, tiers: list[Tier]) -> tuple[Path | OpenedCopy, bool]:
+        """Stage into the fastest healthy tier of `tiers` with room; a tier that fails is
         reported and skipped. No room anywhere: read the home in place, or a private copy in memory."""
         last: BaseException | None = None
         full = no_room = False
-        for tier in self.tiers if tiers is None else tiers:
+        for tier in tiers:
             if not tier.healthy():
                 full = full or tier.untrusted() is not None  # skipped for its permissions: read around it
                 continue
@@ -193,27 +196,62 @@ class Engine(Planner, TierStaging, KeepSet):
                 try:
                     return fut.result(), True
                 except NoRoomError:
-                    if fut in self._need_now:  # it waited for room already
+                    if self._jobs.waited(fut):  # it waited for room already
                         raise
                     # we waited on a prefetch of this shard that gave up: a reader needs it now
-                    return self._stage_job(home, entry, tier, True), True
+                    return self._stager(tier.name).stage(home, entry, True), True
             except NoRoomError:
                 full = no_room = True
             except TierFailedError as e:
                 last = e
         local = home.local_path(f"shards/{entry.name}")
         if local is not None and local.exists():  # no tier can hold it: read the home in place
-            self.count("home_reads", 1)
-            self._fetched(entry)
+            self.stats.add("home_reads", 1)
+            self.modes.fetched(entry)
             return local, False
         if full:
-            if no_room:
-                # the tiers are full of copies readers hold: for a while, shards not staged are read
-                # record by record (wants_whole) rather than fetched whole into private copies that
-                # are thrown away after use -- each worker fetching its own, again and again
-                self._congested_until = time.monotonic() + CONGESTED_SECONDS
+            if no_room:  # the tiers are full of copies readers hold: read what is not staged by record for a while
+                self.keep.congest()
             return self._private_copy(home, entry), False
         raise last or KVDataError("no cache tier is usable (see `kvdata status`); fix the tier directories")
+
+    def _private_copy(self, home: Home, entry: ShardEntry) -> OpenedCopy:
+        copy = private_copy(self._fetcher, self.tiers, home, entry)
+        self.stats.add("private_copies", 1)
+        self.modes.fetched(entry)
+        return copy
+
+    def _name(self, home: Home, entry: ShardEntry) -> None:
+        self.modes.name(str(getattr(home, "url", "") or ""), entry.sha256)
+
+    # ------------------------------------------------------------ whole copies or record reads
+
+    def wants_whole(self, home: Home, entry: ShardEntry) -> bool:
+        """Whether a reader should read this shard through a whole copy: it is read in place,
+        its dataset is read shard-aware (an announced order), or it is in its random-order
+        dataset's resident set. False: read its samples record by record (a copy that a
+        shard-aware phase left in a tier is not used: mapped, it could not be evicted)."""
+        self._known.learn(home, entry)  # (a worker may not have seen it yet)
+        self._name(home, entry)
+        local = home.local_path(f"shards/{entry.name}")
+        if local is not None and not self.config.stage_local and local.exists():
+            return True
+        tiers = self.modes.tiers_for(entry.sha256)
+        if tiers and local is None:
+            return self.keep.whole_copy(entry.sha256, tiers)
+        return bool(tiers)
+
+    def keep_set(self) -> tuple[set[str] | None, frozenset[str]]:
+        """(the shards worth a whole copy or None for all of them, every shard announced): KeepSet.keep_set."""
+        return self.keep.keep_set()
+
+    def bypassed(self, sha: str) -> bool:
+        """Whether an announced order reads this shard record by record (KeepSet.bypassed)."""
+        return self.keep.bypassed(sha)
+
+    def congested(self) -> bool:
+        """Whether shards not staged are read record by record for now (KeepSet.congested)."""
+        return self.keep.congested()
 
     # ------------------------------------------------------------ the policy for unannounced orders
 
@@ -231,43 +269,24 @@ class Engine(Planner, TierStaging, KeepSet):
 
     def unpin(self, sha: str) -> None:
         """The reader has mapped (and reader-locked) the copy: the lock protects it now."""
-        with self._lock:
-            self._pinned.pop(sha, None)
+        self._pins.unpin(sha)
 
     # ------------------------------------------------------------ staging
 
     def stage(self, home: Home, entry: ShardEntry, tier: str | None = None, need_now: bool = False) -> Future[Path]:
         """Copy one shard into a tier (default: the fastest); the Future gives its path."""
-        target = self.tiers[0] if tier is None else next((t for t in self.tiers if t.name == tier), None)
-        if target is None:
-            raise ConfigError(f"no tier named {tier!r}; tiers: {', '.join(t.name for t in self.tiers)}")
-        sha = entry.sha256
-        self._known.setdefault(sha, Known(home, entry))
-        key = (target.name, sha)
-        with self._lock:
-            fut = self._inflight.get(key)
-            if fut is None:
-                if self._closed:
-                    raise StagingAbortedError(f"shard {entry.name}: the staging engine is closing")
-                fut = self._jobs.submit(self._stage_job, home, entry, target, need_now)
-                self._inflight[key] = fut
-                if need_now:
-                    self._need_now.add(fut)
-                fut.add_done_callback(functools.partial(self._done, key))
-        return fut
+        stager = self._stagers[0] if tier is None else self._stager(tier)
+        self._known.learn(home, entry)
+        return self._jobs.submit(stager, home, entry, need_now)
 
-    def _done(self, key: tuple[str, str], fut: Future[Path]) -> None:
-        with self._lock:
-            self._inflight.pop(key, None)
+    def _done(self, fut: Future[Path]) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
         if exc is not None and not isinstance(exc, (NoRoomError, StagingAbortedError, TierFailedError)):
-            self.stats.errors.append(str(exc))
-            del self.stats.errors[:-20]
-            self.count("error_count", 1)
-        elif exc is None and self.prefetch and not self._closed:
-            self._replan()  # after a failure, wait for the next progress/announce to plan again
+            self.stats.error(str(exc))
+        elif exc is None and self.prefetch and not self._closing.is_set():
+            self.planner.wake()  # after a failure, wait for the next progress/announce to plan again
 
     # ------------------------------------------------------------ order-aware prefetch
 
@@ -276,56 +295,60 @@ class Engine(Planner, TierStaging, KeepSet):
         """A reader's shard sequence for its epoch (e.g. from ShardShuffleSampler.shard_order),
         and its next epoch's from `next_start` on when the reader knows it."""
         for e in entries:
-            k = self._known.get(e.sha256)
-            if k is None or not k.home.can_stage(e.sha256):  # keep a home that can supply it
-                self._known[e.sha256] = Known(home, e)
-        with self._lock:
-            self._demands[reader] = policy.Demand(tuple(e.sha256 for e in entries), position, next_start)
+            self._known.offer(home, e)  # keep a home that can supply it
+        self.planner.announce(self.tiers, reader, [e.sha256 for e in entries], position, next_start)
         self.modes.announced(reader, [e.sha256 for e in entries[:ORDER_PREFIX_SHARDS]])
-        self._orders.publish(self.tiers, reader, [e.sha256 for e in entries], position, next_start)
-        self._keep_cache = (0.0, None, frozenset())  # a new order: what is worth keeping changes
+        self.keep.forget()  # a new order: what is worth keeping changes
         if self.prefetch:
-            self._replan()
+            self.planner.wake()
 
     def progress(self, reader: str, position: int) -> None:
-        with self._lock:
-            d = self._demands.get(reader)
-            if d is None or d.position == position:
-                return
-            self._demands[reader] = policy.Demand(d.sequence, position, d.next_start)
-        self._orders.move(reader, position)
-        if self.prefetch:
-            self._replan()
+        if self.planner.progress(reader, position) and self.prefetch:
+            self.planner.wake()
 
     def release(self, reader: str) -> None:
-        with self._lock:
-            self._demands.pop(reader, None)
-        self._orders.withdraw(reader)
+        self.planner.release(reader)
         self.modes.released(reader)
-        self._keep_cache = (0.0, None, frozenset())
+        self.keep.forget()
+
+    def _plan_pass(self) -> None:
+        """One pass of the planner thread: tiers a burst of need-now reads pushed over budget
+        trimmed, then what the planner says each tier should fetch staged (a bounded number
+        of jobs in flight), except what is read by record or in place when its turn comes."""
+        demands = self.planner.demands()
+        if self._closing.is_set() or not demands:
+            return
+        sizes = self._known.sizes()
+        busy = self._jobs.in_flight()
+        pinned = self._pins.now()
+        self.trim(demands, pinned)
+        for tier, sha in self.planner.plan(self.tiers, demands, sizes, pinned):
+            if busy >= 2 * self._jobs.workers:
+                return
+            if self.keep.bypass(sha):  # read by record or in place when its turn comes, not staged
+                continue
+            k = self._known.get(sha)
+            if k is None or self._jobs.running(tier.name, sha) or not k.home.can_stage(sha):
+                continue
+            self.stage(k.home, k.entry, tier.name)
+            busy += 1
 
     # ------------------------------------------------------------ maintenance
 
     def reconfigure(self, config: Config) -> None:
         """Swap tiers/budgets (a daemon reload); in-flight jobs finish against the old ones."""
-        tiers = [Tier(t) for t in config.tiers]
-        for t in tiers:
-            t.probe_open = self.probe_open
-            t.ensure()
-        with self._lock:
-            self.config = config
-            self.tiers = tiers
+        tiers = self._open_tiers(config)
+        stagers = [self._stager_for(t) for t in tiers]
+        self.config, self.tiers, self._stagers = config, tiers, stagers
         if self.prefetch:
-            self._replan()
+            self.planner.wake()
 
     def trim(self, demands: list[policy.Demand] | None = None, pinned: set[str] | None = None) -> None:
         """Bring tiers that a burst of need-now reads pushed over budget back under it."""
-        if demands is None:
-            with self._lock:
-                demands = list(self._demands.values())
-        pinned = self._pinned_now() if pinned is None else pinned
-        for tier in self.tiers:
-            self._evict_until_fits(tier, 0, demands + self._orders.others(tier), pinned)
+        demands = self.planner.demands() if demands is None else demands
+        pinned = self._pins.now() if pinned is None else pinned
+        for stager in self._stagers:
+            stager.evict_until_fits(0, demands + self.planner.others(stager.tier), pinned)
 
     def evict(self, entries: list[ShardEntry], tier: str | None = None) -> int:
         """Drop staged copies of these shards (not ones being read); returns how many."""
@@ -336,7 +359,7 @@ class Engine(Planner, TierStaging, KeepSet):
             for e in entries:
                 if t.has(e.sha256) and t.try_evict(e.sha256, grace=0):
                     n += 1
-                    self.count("evictions", 1)
+                    self.stats.add("evictions", 1)
         return n
 
     def status(self) -> dict[str, Any]:
@@ -350,29 +373,25 @@ class Engine(Planner, TierStaging, KeepSet):
                           "metadata": metadata, "shards": len(res), "ok": ok, "problem": t.problem})
         s = self.stats
         lookups = s.hits + s.misses
-        with self._lock:
-            inflight = len(self._inflight)
         datasets = self.modes.status(lambda sha: self.fastest_copy(sha) is not None)
         return {"tiers": tiers, "datasets": datasets, "random_misses": s.random_misses,
                 "hits": s.hits, "misses": s.misses, "hit_rate": s.hits / lookups if lookups else None,
                 "shards_staged": s.shards_staged, "bytes_staged": s.bytes_staged, "bytes_from_home": s.bytes_from_home,
                 "evictions": s.evictions, "home_reads": s.home_reads, "private_copies": s.private_copies,
-                "stall_seconds": round(s.stall_seconds, 3), "in_flight": inflight, "workers": self._workers,
-                "readers": len(self._demands), "errors": list(s.errors), "error_count": s.error_count}
+                "stall_seconds": round(s.stall_seconds, 3), "in_flight": self._jobs.in_flight(),
+                "workers": self._jobs.workers, "readers": self.planner.readers(), "errors": list(s.errors),
+                "error_count": s.error_count}
 
     def close(self, abort: bool = False) -> None:
         """Stop: queued jobs are dropped; running copies finish, or with abort=True stop at
         their next chunk (their temp files are removed; nothing partial gets a real name)."""
-        self._closed = True
+        self._closing.set()
         if abort:
             self._abort.set()
             # queued copies are dropped now, not after the planner stops (that can take seconds on
             # a busy machine, and kvdatad exits after a bound): running ones stop at their next chunk
-            self._jobs.shutdown(wait=False, cancel_futures=True)
-        self._orders.close()
+            self._jobs.cancel()
         self.modes.close()
-        self._plan_event.set()
-        if self._planner is not None and self._planner_pid == os.getpid():
-            self._planner.join(timeout=10)
-        self._jobs.shutdown(wait=True, cancel_futures=True)
+        self.planner.close()
+        self._jobs.close()
         self._parts.shutdown(wait=True, cancel_futures=True)

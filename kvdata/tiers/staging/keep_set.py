@@ -1,56 +1,64 @@
-"""Which shards a reader reads through a whole copy and which record by record, for the Engine
-(kvdata.tiers.engine): wants_whole, the keep set -- the shards worth a whole copy when the announced
-orders are larger than the tiers (policy.keep_for_next_pass, Belady with bypass) -- and congestion
-after no tier had room. Kept apart from staging: this part decides, the engine and its planner act.
+"""Which shards readers read through a whole copy and which record by record (kvdata.tiers.staging).
+
+The keep set: when the announced orders are larger than the tiers, only the shards the next pass
+reads early enough are worth a whole copy (policy.keep_for_next_pass, Belady with bypass); the
+others are bypassed: read record by record from a remote home, in place from a local one. And
+congestion: for CONGESTED_SECONDS after no tier had room for a shard a reader needed, shards not
+staged are read by record rather than fetched whole only to be thrown away. This part decides;
+the engine, its stagers and its planner act on it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from ..format import ShardEntry
-from . import policy
-from .engine_state import EngineState, Known
-from .homes import Home
+from .. import policy
+from ..claims import ReadModes
+from ..tier import Tier
+from .known import KnownShards
+from .planner import Planner
 
 KEEP_READING = 8  # shards past a reader's position it may be reading by record (a window of ShardShuffleSampler)
 KEEP_TTL = 0.25  # seconds the set of shards worth a whole copy (policy.keep_for_next_pass) is trusted
 CONGESTED_SECONDS = 10.0  # after no tier had room for a needed shard, unstaged shards are read by record this long
 
 
-class KeepSet(EngineState):
-    """Engine's choice between a whole copy and record reads (a part of kvdata.tiers.engine.Engine)."""
+class KeepSet:
+    """The keep set over the announced orders (recomputed at most every KEEP_TTL seconds), the
+    set last admitted for the same orders, and the congestion timer."""
 
-    def wants_whole(self, home: Home, entry: ShardEntry) -> bool:
-        """Whether a reader should read this shard through a whole copy: it is read in place,
-        its dataset is read shard-aware (an announced order), or it is in its random-order
-        dataset's resident set. False: read its samples record by record (a copy that a
-        shard-aware phase left in a tier is not used: mapped, it could not be evicted)."""
-        if entry.sha256 not in self._known:  # (a worker may not have seen it yet; no object per call)
-            self._known[entry.sha256] = Known(home, entry)
-        self._name(home, entry)
-        local = home.local_path(f"shards/{entry.name}")
-        if local is not None and not self.config.stage_local and local.exists():
-            return True
-        tiers = self._tiers_for(entry)
-        if tiers and local is None:
-            staged = any(t.has(entry.sha256) for t in tiers)
-            if self.congested():
-                return staged  # no room to keep it: read its records
-            if not staged and self.bypassed(entry.sha256):
-                return False  # read once this pass, not worth a place in the tiers: read its records
-        return bool(tiers)
+    def __init__(self, orders: Planner, known: KnownShards, modes: ReadModes, tiers: Callable[[], list[Tier]]) -> None:
+        """orders: the announced orders; known: the shards' sizes and homes; modes: the
+        random-order datasets' resident sets (not ours to plan with); tiers: the engine's tiers now."""
+        self._orders = orders
+        self._known = known
+        self._modes = modes
+        self._tiers = tiers
+        self._cache: tuple[float, set[str] | None, frozenset[str]] = (0.0, None, frozenset())  # (until, keep, announced)
+        self._admitted: tuple[int, set[str] | None] = (0, None)  # (the orders' hash, the keep set last given for them)
+        self._congested_until = 0.0
+
+    def whole_copy(self, sha: str, tiers: list[Tier]) -> bool:
+        """Whether a shard of a remote home that `tiers` may keep is read through a whole copy
+        (False: its records are read one by one)."""
+        staged = any(t.has(sha) for t in tiers)
+        if self.congested():
+            return staged  # no room to keep it: read its records
+        if not staged and self.bypassed(sha):
+            return False  # read once this pass, not worth a place in the tiers: read its records
+        return True
 
     def bypassed(self, sha: str) -> bool:
         """Whether an announced order reads this shard but its whole copy is not worth a place
         in the tiers (policy.keep_for_next_pass: the data is larger than the tiers, and the next
         pass does not read it early enough): its samples are then read record by record."""
-        if not self._bypass(sha):
+        if not self.bypass(sha):
             return False
         known = self._known.get(sha)
-        return known is not None and known.home.record_reads  # a local home's is read in place (locate)
+        return known is not None and known.home.record_reads  # a local home's is read in place (Engine.locate)
 
-    def _bypass(self, sha: str) -> bool:
+    def bypass(self, sha: str) -> bool:
         """An announced order reads this shard, but its whole copy is not worth a place in the
         tiers: it is read by record (bypassed), in place (a local home) or into a private copy."""
         keep, announced = self.keep_set()
@@ -61,13 +69,12 @@ class KeepSet(EngineState):
         the orders of this engine's readers and those other processes published in the tiers
         (policy.keep_for_next_pass), recomputed at most every KEEP_TTL seconds."""
         now = time.monotonic()
-        until, keep, announced = self._keep_cache
+        until, keep, announced = self._cache
         if now < until:
             return keep, announced
-        with self._lock:
-            demands = list(self._demands.values())
-            sizes = {sha: k.entry.bytes for sha, k in self._known.items()}
-        tiers = [t for t in self.tiers if t.healthy()]
+        demands = self._orders.demands()
+        sizes = self._known.sizes()
+        tiers = [t for t in self._tiers() if t.healthy()]
         for t in tiers:  # every publisher publishes in every tier it can: the first that answers will do
             others = self._orders.others(t)
             if others:
@@ -82,7 +89,7 @@ class KeepSet(EngineState):
             held: set[str] = set()
             for t in tiers:  # random-order datasets' resident sets are not ours to plan with
                 here = t.resident()
-                protected = self.modes.protected(t, here)
+                protected = self._modes.protected(t, here)
                 kept += sum(here.get(s, 0) for s in protected)
                 here = {s: n for s, n in here.items() if s not in protected}
                 resident.update(here)
@@ -93,8 +100,19 @@ class KeepSet(EngineState):
             keep = policy.keep_for_next_pass(demands, {**resident, **sizes}, room, shard, resident=resident, held=held,
                                              reading=KEEP_READING, admitted=admitted)
             self._admitted = (basis, keep)
-        self._keep_cache = (now + KEEP_TTL, keep, announced)
+        self._cache = (now + KEEP_TTL, keep, announced)
         return keep, announced
+
+    def forget(self) -> None:
+        """The orders changed: what is worth keeping is recomputed at the next ask."""
+        self._cache = (0.0, None, frozenset())
+
+    def congest(self) -> None:
+        """No tier had room for a shard a reader needs now (the tiers are full of copies readers
+        hold): for a while, shards not staged are read record by record (wants_whole) rather
+        than fetched whole into private copies thrown away after use -- each worker fetching
+        its own, again and again."""
+        self._congested_until = time.monotonic() + CONGESTED_SECONDS
 
     def congested(self) -> bool:
         """Whether a shard a reader needed found no room in any tier within CONGESTED_SECONDS:
