@@ -1,67 +1,62 @@
-"""put and put_many of a Writer (a part of store.writer.Writer): a record at a time, raw puts
+"""A Writer's put and put_many (PutPaths, a part the Writer owns): a record at a time, raw puts
 gathered (store.gathered_puts) and written a chunk at a time, and put_many's chunks, whose raw
 records are encoded and appended at once (format.raw_batch) and whose other records go through
-the record-at-a-time path. Kept apart from the Writer's lock, commit and recovery; every write
-here lands in the Writer's Pending through _put_record or Pending.add_many.
+the record-at-a-time path. Every record goes through the Writer's record path (store.record_path),
+which keeps its row in the pending writes; the Writer's lock, commit and recovery are not here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from itertools import accumulate, islice, repeat
+from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-import lmdb
 import numpy as np
 
 from .. import format as fmt
 from .._util.interrupts import interrupts_deferred
 from ..errors import CommitError, KVDataError
-from ..format import Manifest, raw_batch
+from ..format import raw_batch
 from . import record_metas
-from .gathered_puts import GATHER_RECORDS
-from .open_tail import RECORD_OVERHEAD, OpenTail
+from .gathered_puts import GATHER_RECORDS, GatheredPuts
+from .open_tail import RECORD_OVERHEAD
+from .record_path import RecordPath
 
 if TYPE_CHECKING:
-    from .gathered_puts import GatheredPuts
-    from .pending import Pending
     from .reader import Reader
 
 PUT_CHUNK = GATHER_RECORDS  # put_many looks up existing keys this many at a time, as many as put gathers
 
 
 class PutPaths:
-    """The put paths of store.writer.Writer, which provides what is declared here."""
+    """The puts of one Writer: records encoded and written through `records`, existing keys looked
+    up in the generation `committed` reads. `give_up(what)` is the Writer's: discard the writes
+    since the last commit and fail, saying `what` happened (a gathered chunk written halfway).
+    The Writer checks that it is open before each call."""
 
-    if TYPE_CHECKING:
-        m: Manifest
-        pending: Pending
-        tail: OpenTail
-        failed: bool
-        _failed_why: str
-        _gathered: GatheredPuts
+    def __init__(self, records: RecordPath, committed: Reader, give_up: Callable[[str], None]) -> None:
+        self._records = records
+        self._committed = committed
+        self._give_up = give_up
+        self._gathered = GatheredPuts(records.shard_size, RECORD_OVERHEAD)  # raw puts not yet written
 
-        @property
-        def shard_size(self) -> int: ...
-        def _check(self) -> None: ...
-        def _committed(self) -> Reader: ...
-        def _committed_pos(self, skey: str, key_hash: int) -> int | None: ...
-        def _put_record(self, skey: str, h: int, rec: bytes, label: int | None, layout: list,
-                        committed: int | None) -> None: ...
-        def _seal(self) -> None: ...
-        def _tail_failed(self, e: BaseException) -> CommitError: ...
-        def _fail(self) -> None: ...
+    def restart(self) -> None:
+        """The writes since the last commit were discarded (recovery): so are the gathered puts."""
+        self._gathered = GatheredPuts(self._records.shard_size, RECORD_OVERHEAD)
+
+    def drop_gathered(self) -> None:
+        """Forget the gathered puts, unwritten (the writer closes without committing)."""
+        self._gathered.drain()
 
     def put(self, key: str, value: Any, label: int | None) -> None:
         """Write one record (visible at the next commit). A raw `bytes` value without a label is
         checked now and gathered (store.gathered_puts), then written with the next ones as one
         put_many chunk: a disk failure is raised by the call that writes them."""
-        self._check()
         if label is None and self._gathered.take(key, value):
             if self._gathered.full:
-                self.flush_puts()
+                self.flush()
             return
-        self.flush_puts()
+        self.flush()
         self._put_now(key, value, label)
 
     def _put_now(self, key: Any, value: Any, label: int | None) -> None:
@@ -74,9 +69,9 @@ class PutPaths:
         else:
             rec, label, layout = fmt.encode_record(skey, value, label)
         h = fmt.key_hash(kb)
-        self._put_record(skey, h, rec, label, layout, self._committed_pos(skey, h))
+        self._records.put(skey, h, rec, label, layout, self._records.committed_pos(skey, h))
 
-    def flush_puts(self) -> None:
+    def flush(self) -> None:
         """Write the gathered puts as one put_many chunk, a Ctrl-C held until it is done
         (_util.interrupts). Their keys are looked up first; if that fails (a damaged committed
         record), nothing is written yet and they go one at a time (_put_each). A tail failure
@@ -97,10 +92,7 @@ class PutPaths:
             except CommitError:
                 raise
             except BaseException as e:
-                self._fail()
-                self.failed = True
-                self._failed_why = (f" (writing {len(chunk)} gathered puts failed: {type(e).__name__}: {e}; "
-                                    f"the writes since generation {self.m.generation} were discarded)")
+                self._give_up(f"writing {len(chunk)} gathered puts failed: {type(e).__name__}: {e}")
                 raise
 
     def _put_each(self, chunk: list[tuple[Any, ...]]) -> None:
@@ -122,12 +114,11 @@ class PutPaths:
             raise first
 
     def put_many(self, pairs: Iterable[tuple[Any, ...]]) -> int:
-        self._check()
-        self.flush_puts()
+        self.flush()
         n = 0
         items = iter(pairs)
         while chunk := list(islice(items, PUT_CHUNK)):
-            self.flush_puts()  # puts the iterable itself made while the chunk was taken go first
+            self.flush()  # puts the iterable itself made while the chunk was taken go first
             n += self._put_chunk(chunk)
         return n
 
@@ -138,19 +129,19 @@ class PutPaths:
         """(keys as str, their UTF-8 bytes, their hashes, {chunk position: committed sample}); reads only."""
         keys, kbs = raw_batch.chunk_keys([item[0] for item in chunk])
         hashes = raw_batch.key_hashes(kbs)
-        return keys, kbs, hashes, record_metas.find_many(self._committed(), keys, hashes)
+        return keys, kbs, hashes, record_metas.find_many(self._committed, keys, hashes)
 
     def _write_chunk(self, chunk: list[tuple[Any, ...]], keys: list[str], kbs: list[bytes], hashes: np.ndarray,
                      found: dict[int, int]) -> int:
         if not found and self._put_raw_batch(chunk, keys, kbs, hashes):
             return len(chunk)
-        deleted = self.pending.deleted
+        deleted = self._records.pending.deleted
         for i, (item, skey, h) in enumerate(zip(chunk, keys, hashes.tolist())):
             value = item[1]
             label = item[2] if len(item) > 2 else None
             rec, label, layout = fmt.encode_record(skey, value, label)
             pos = found.get(i)
-            self._put_record(skey, h, rec, label, layout, None if pos is None or pos in deleted else pos)
+            self._records.put(skey, h, rec, label, layout, None if pos is None or pos in deleted else pos)
         return len(chunk)
 
     def _put_raw_batch(self, chunk: list[tuple[Any, ...]], keys: list[str], kbs: list[bytes],
@@ -158,22 +149,11 @@ class PutPaths:
         """Append a chunk of new raw records at once (raw_batch), if it is one: every value bytes,
         no label, every key new to the dataset and distinct. False: nothing was written."""
         values = raw_batch.raw_chunk_values(chunk, keys)
-        if values is None or not self.pending.new_keys.keys().isdisjoint(keys):
+        if values is None or not self._records.pending.new_keys.keys().isdisjoint(keys):
             return False
         recs = raw_batch.encode_raw_records(kbs, values)
         needs = [len(r) + RECORD_OVERHEAD for r in recs]
-        if max(needs) > self.shard_size:
+        if max(needs) > self._records.shard_size:
             return False  # the record-at-a-time path names the record too large
-        ends = list(accumulate(needs))
-        i = 0
-        while i < len(recs):
-            if self.tail.full_for(needs[i]):
-                self._seal()
-            try:
-                slot, j = self.tail.append_run(recs, ends, i)
-            except (OSError, lmdb.Error) as e:
-                raise self._tail_failed(e) from None
-            self.pending.dirty = True
-            self.pending.add_many(keys[i:j], self.tail.id, slot, repeat(fmt.NO_LABEL, j - i), hashes[i:j])
-            i = j
+        self._records.append_new(keys, recs, needs, hashes)
         return True

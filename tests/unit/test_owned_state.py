@@ -48,8 +48,6 @@ _ANNOTATED_FIELDS = {"typing.NamedTuple", "typing.TypedDict", "typing.Protocol"}
 # (issue 28). Empty this as they land: test_the_known_list_is_not_stale fails on an entry that
 # no longer offends, so the list never hides a new offender under an old name.
 KNOWN: dict[str, str] = {
-    # kvdata/store: the Writer's put paths, a mixin over the Writer's attributes (being made an object of its own)
-    "PutPaths": "kvdata/store/put_paths.py",
     # kvdata_daemon: Service's parts, mixins over service_state.ServiceState (being made objects of their own)
     "Datasets": "daemon/datasets.py",
     "PassedDescriptors": "daemon/passed.py",
