@@ -22,7 +22,7 @@ from .generation import Generation, load_generation, load_pinned, read_manifest
 from .pins import ReaderPin
 from .reader import Reader
 from .source import ShardSource
-from .stacking import Alloc
+from .stacking import ArrayAlloc
 from .writer import Writer
 
 ITER_CHUNK = 256
@@ -215,7 +215,7 @@ class Store:
         return self._reader.get_one(index, copy)
 
     def get_batch(self, indices: Sequence[int] | np.ndarray, *, fields: Sequence[str] | None = None,
-                  alloc: Alloc | None = None) -> Any:
+                  alloc: ArrayAlloc | None = None) -> Any:
         """A batch as arrays: each array field stacked into one (N, ...) array (one copy per
         sample, large batches split across copy threads; `alloc(shape, dtype)` may provide
         the arrays, e.g. in shared memory), variable-length arrays as one flat array plus

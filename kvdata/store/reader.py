@@ -29,7 +29,7 @@ from .record_decoder import RecordDecoder, own_bytes, plain
 from .record_metas import State
 from .shards import SealedShard
 from .source import ShardSource
-from .stacking import Alloc, Copier
+from .stacking import ArrayAlloc, Copier
 from .tail_reads import TailReads, lmdb_value
 
 # Values at least this large get an madvise(WILLNEED) over their exact byte range
@@ -286,12 +286,12 @@ class Reader:
             f"shard's end, or a bad head or kind); run `kvdata reindex {self.root}`")
 
     def get_batch(self, indices: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None,
-                  alloc: Alloc | None = None) -> Any:
+                  alloc: ArrayAlloc | None = None) -> Any:
         """A batch as arrays (see Store.get_batch)."""
         with ExitStack() as hold:  # tail records read by snapshot are views until it closes
             return self._stack(self._get_many(indices, False, self._state, hold), fields, alloc)
 
-    def _stack(self, recs: list[Any], fields: Sequence[str] | None, alloc: Alloc | None) -> Any:
+    def _stack(self, recs: list[Any], fields: Sequence[str] | None, alloc: ArrayAlloc | None) -> Any:
         dicts = sum(isinstance(r, dict) for r in recs)
         if dicts and dicts != len(recs):
             raise InvalidValueError(f"{self.root}: this batch mixes raw-bytes records and records with fields; "

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-Alloc = Callable[[tuple, np.dtype], np.ndarray]
+ArrayAlloc = Callable[[tuple, np.dtype], np.ndarray]  # (shape, dtype) -> the array a batch field is stacked into
 
 
 class Ragged(NamedTuple):
@@ -27,7 +27,7 @@ class Ragged(NamedTuple):
     offsets: Any
 
 
-def ragged(arrays: Sequence[np.ndarray], alloc: Alloc | None = None) -> Any:
+def ragged(arrays: Sequence[np.ndarray], alloc: ArrayAlloc | None = None) -> Any:
     """Arrays of one dtype that differ only in their first dimension as Ragged (values from
     `alloc` if given); anything else as a list of owned, writable copies."""
     a0 = arrays[0]
@@ -66,7 +66,7 @@ class Copier:
         return self._pool
 
     def stack_arrays(self, arrays: Sequence[np.ndarray], out: np.ndarray | None = None,
-                     alloc: Alloc | None = None) -> Any:
+                     alloc: ArrayAlloc | None = None) -> Any:
         """(N, ...) array of same-shape arrays (into `out`, or from `alloc`); Ragged (or a list
         of copies) if their shapes differ (see `ragged`)."""
         a0 = arrays[0]
@@ -99,7 +99,7 @@ class Copier:
         for f in futures:
             f.result()
 
-    def stack(self, samples: Sequence[Any], alloc: Alloc | None = None) -> Any:
+    def stack(self, samples: Sequence[Any], alloc: ArrayAlloc | None = None) -> Any:
         """Records (dicts) as batch columns, array fields assembled by stack_arrays (into
         arrays from `alloc(shape, dtype)` if given, e.g. shared memory); others as a list."""
         if not samples or not isinstance(samples[0], dict):
