@@ -54,9 +54,29 @@ def _image_options(f: F) -> F:
     return f
 
 
+def _existing(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    """--append and --overwrite exclude each other (checked once both are parsed)."""
+    if value:
+        other = "overwrite" if param.name == "append" else "append"
+        if ctx.params.get(other):
+            raise click.UsageError("--append and --overwrite exclude each other; pass one", ctx=ctx)
+    return value
+
+
+def existing_mode(append: bool, overwrite: bool) -> str:
+    """The importers' `existing` setting for --append / --overwrite."""
+    return "append" if append else "overwrite" if overwrite else "refuse"
+
+
 def _write_options(f: F) -> F:
     """How the dataset is written and what is printed (every importer)."""
     f = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")(f)
+    f = click.option("--overwrite", is_flag=True, callback=_existing,
+                     help="DATASET exists: replace its contents with the source's (one commit; keys it held that "
+                          "the source lacks are removed).")(f)
+    f = click.option("--append", is_flag=True, callback=_existing,
+                     help="DATASET exists: add only the keys it lacks (keys it has are kept as they are); records "
+                          "must have the fields its records have.")(f)
     f = click.option("--compress/--no-compress", default=False, show_default=True,
                      help="Write each shard's .mdb.zst cold copy when it is sealed (otherwise `kvdata push` "
                           "makes them when it uploads).")(f)
@@ -65,17 +85,31 @@ def _write_options(f: F) -> F:
     return f
 
 
+def changes(summary: dict[str, Any]) -> str:
+    """What an import did to the dataset's keys, for the text report: "3 added, 0 overwritten" and,
+    where there were any, the keys an append kept and an overwrite removed."""
+    text = f"{summary['added']} added, {summary['overwritten']} overwritten"
+    if summary.get("kept"):
+        text += f", {summary['kept']} already there kept"
+    if summary.get("removed"):
+        text += f", {summary['removed']} removed"
+    return text
+
+
 def _report(summary: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print_json(summary)
     else:
-        click.echo(f"imported {summary['imported']} images into {summary['dataset']} "
-                   f"({summary['classes']} classes, {summary['skipped']} files skipped) in {summary['seconds']:.1f} s")
+        click.echo(f"imported {summary['imported']} images into {summary['dataset']} ({changes(summary)}; "
+                   f"{summary['classes']} classes, {summary['skipped']} files skipped) in {summary['seconds']:.1f} s")
 
 
 @click.group("import")
 def import_group() -> None:
-    """Build a dataset from a folder of images, a Caffe list file or a Caffe LMDB."""
+    """Build a dataset from a folder of images, a list file, a Caffe LMDB, Parquet, HF, WebDataset or TFRecord.
+
+    Into a DATASET that exists, pass --append (add only new keys) or --overwrite (replace its
+    contents). Ctrl-C stops an import with DATASET as it was (exit 130)."""
 
 
 @import_group.command("folder")
@@ -84,12 +118,14 @@ def import_group() -> None:
 @_image_options
 @_write_options
 def import_folder(src: str, dataset: str, decode: str, resize: str | None, shuffle: bool, seed: int,
-                  workers: int, shard_size: str | None, compress: bool, as_json: bool) -> None:
+                  workers: int, shard_size: str | None, compress: bool, append: bool, overwrite: bool,
+                  as_json: bool) -> None:
     """One record per image under SRC; label = parent directory (ImageFolder layout)."""
     from ..importers.folder import import_folder as run
 
     _report(run(src, dataset, decode=decode, resize=_parse_resize(resize), shuffle=shuffle, seed=seed,
-                workers=workers, shard_size=shard_size, compress=compress), as_json)
+                workers=workers, shard_size=shard_size, compress=compress,
+                existing=existing_mode(append, overwrite)), as_json)
 
 
 @import_group.command("listfile")
@@ -100,12 +136,14 @@ def import_folder(src: str, dataset: str, decode: str, resize: str | None, shuff
 @_image_options
 @_write_options
 def import_listfile(listfile: str, dataset: str, root: str, decode: str, resize: str | None, shuffle: bool,
-                    seed: int, workers: int, shard_size: str | None, compress: bool, as_json: bool) -> None:
+                    seed: int, workers: int, shard_size: str | None, compress: bool, append: bool, overwrite: bool,
+                    as_json: bool) -> None:
     """Caffe convert_imageset list: one `relative/path label` per line."""
     from ..importers.folder import import_listfile as run
 
     _report(run(listfile, dataset, root=root, decode=decode, resize=_parse_resize(resize), shuffle=shuffle,
-                seed=seed, workers=workers, shard_size=shard_size, compress=compress), as_json)
+                seed=seed, workers=workers, shard_size=shard_size, compress=compress,
+                existing=existing_mode(append, overwrite)), as_json)
 
 
 @import_group.command("caffe")
@@ -114,12 +152,12 @@ def import_listfile(listfile: str, dataset: str, root: str, decode: str, resize:
 @click.option("--keep-encoded", is_flag=True, help="Store encoded records' JPEG/PNG bytes as is (field 'encoded').")
 @_write_options
 def import_caffe(src_lmdb: str, dataset: str, keep_encoded: bool, shard_size: str | None, compress: bool,
-                 as_json: bool) -> None:
+                 append: bool, overwrite: bool, as_json: bool) -> None:
     """Caffe LMDB of Datum records (convert_imageset): keys, order and labels kept; images HWC."""
     from ..importers.caffe import import_caffe as run
 
     _report(run(src_lmdb, dataset, keep_encoded=keep_encoded, shard_size=shard_size,
-                compress=compress), as_json)
+                compress=compress, existing=existing_mode(append, overwrite)), as_json)
 
 
 @click.command()

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from .imports import _write_options, import_group
+from .imports import _write_options, changes, existing_mode, import_group
 from .output import print_json
 
 MAX_BAD_SHOWN = 20  # bad records listed on stderr by the text report (--json lists them all)
@@ -49,8 +49,8 @@ def _report(summary: dict[str, Any], as_json: bool) -> None:
     if summary["skipped"] > MAX_BAD_SHOWN:
         click.echo(f"... and {summary['skipped'] - MAX_BAD_SHOWN} more skipped (--json lists them)", err=True)
     split = f" (split {summary['split']})" if summary.get("split") else ""
-    click.echo(f"imported {summary['imported']} records{split} into {summary['dataset']} "
-               f"({summary['classes']} classes, {summary['skipped']} skipped) in {summary['seconds']:.1f} s")
+    click.echo(f"imported {summary['imported']} records{split} into {summary['dataset']} ({changes(summary)}; "
+               f"{summary['classes']} classes, {summary['skipped']} skipped) in {summary['seconds']:.1f} s")
 
 
 @import_group.command("parquet")
@@ -60,12 +60,13 @@ def _report(summary: dict[str, Any], as_json: bool) -> None:
 @_write_options
 def import_parquet(src: tuple[str, ...], dataset: str, key: str | None, label: str | None, columns: str | None,
                    images: tuple[str, ...], decode: str, workers: int, skip_bad: bool, shard_size: str | None,
-                   compress: bool, as_json: bool) -> None:
+                   compress: bool, append: bool, overwrite: bool, as_json: bool) -> None:
     """Parquet files (or directories of *.parquet): one record per row, one field per column."""
     from ..importers.arrow import import_parquet as run
 
     _report(run(list(src), dataset, key=key, label=label, columns=_columns(columns), images=images, decode=decode,
-                workers=workers, skip_bad=skip_bad, shard_size=shard_size, compress=compress), as_json)
+                workers=workers, skip_bad=skip_bad, shard_size=shard_size, compress=compress,
+                existing=existing_mode(append, overwrite)), as_json)
 
 
 @import_group.command("hf")
@@ -76,10 +77,10 @@ def import_parquet(src: tuple[str, ...], dataset: str, key: str | None, label: s
 @_write_options
 def import_hf(src: str, dataset: str, split: str | None, key: str | None, label: str | None, columns: str | None,
               images: tuple[str, ...], decode: str, workers: int, skip_bad: bool, shard_size: str | None,
-              compress: bool, as_json: bool) -> None:
+              compress: bool, append: bool, overwrite: bool, as_json: bool) -> None:
     """A Hugging Face dataset saved with save_to_disk, or a folder of its Parquet/Arrow files."""
     from ..importers.arrow import import_hf as run
 
     _report(run(src, dataset, split=split, key=key, label=label, columns=_columns(columns), images=images,
-                decode=decode, workers=workers, skip_bad=skip_bad, shard_size=shard_size, compress=compress),
-            as_json)
+                decode=decode, workers=workers, skip_bad=skip_bad, shard_size=shard_size, compress=compress,
+                existing=existing_mode(append, overwrite)), as_json)

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from .imports import _write_options, import_group
+from .imports import _write_options, changes, existing_mode, import_group
 from .output import print_json
 
 _DECODE_HELP = "Decode image fields to raw HWC uint8 pixels (rgb or gray) so training never decodes; 'none' keeps bytes."
@@ -24,8 +24,8 @@ def _report(summary: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print_json(summary)
     else:
-        click.echo(f"imported {summary['imported']} records into {summary['dataset']} ({summary['skipped']} skipped) "
-                   f"in {summary['seconds']:.1f} s ({summary['records_per_s']:.0f} records/s)")
+        click.echo(f"imported {summary['imported']} records into {summary['dataset']} ({changes(summary)}; "
+                   f"{summary['skipped']} skipped) in {summary['seconds']:.1f} s ({summary['records_per_s']:.0f} records/s)")
 
 
 def _record_options(f: Any) -> Any:
@@ -47,12 +47,13 @@ def _record_options(f: Any) -> Any:
 @_record_options
 @_write_options
 def import_wds(src: tuple[str, ...], dataset: str, max_member_size: str, decode: str, workers: int, skip_bad: bool,
-               shard_size: str | None, compress: bool, as_json: bool) -> None:
+               shard_size: str | None, compress: bool, append: bool, overwrite: bool, as_json: bool) -> None:
     """WebDataset tar shards (files or directories of .tar): each key.ext group is one record, a field per ext."""
     from ..importers.wds import import_wds as run
 
     _report(run(list(src), dataset, decode=decode, workers=workers, skip_bad=skip_bad,
-                max_member_size=max_member_size, shard_size=shard_size, compress=compress), as_json)
+                max_member_size=max_member_size, shard_size=shard_size, compress=compress,
+                existing=existing_mode(append, overwrite)), as_json)
 
 
 @import_group.command("tfrecord")
@@ -64,9 +65,11 @@ def import_wds(src: tuple[str, ...], dataset: str, max_member_size: str, decode:
 @_record_options
 @_write_options
 def import_tfrecord(src: tuple[str, ...], dataset: str, key_feature: str | None, max_record_size: str, decode: str,
-                    workers: int, skip_bad: bool, shard_size: str | None, compress: bool, as_json: bool) -> None:
+                    workers: int, skip_bad: bool, shard_size: str | None, compress: bool, append: bool,
+                    overwrite: bool, as_json: bool) -> None:
     """TFRecord files of tf.train.Example (no TensorFlow needed; CRCs checked): a field per feature."""
     from ..importers.tfrecord import import_tfrecord as run
 
     _report(run(list(src), dataset, decode=decode, key_feature=key_feature, workers=workers, skip_bad=skip_bad,
-                max_record_size=max_record_size, shard_size=shard_size, compress=compress), as_json)
+                max_record_size=max_record_size, shard_size=shard_size, compress=compress,
+                existing=existing_mode(append, overwrite)), as_json)

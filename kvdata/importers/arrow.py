@@ -37,12 +37,12 @@ from typing import Any, NamedTuple
 from .. import format as fmt
 from .._util.progress import progress as make_progress
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
-from ..reader.open import open_dataset
 from . import shared_ring
 from .arrow_sources import Plan, Source, batches, find_files, find_hf, plan_sources
 from .arrow_types import BYTES, IMAGE, INSTALL, BadValue, NoBytes, column_values
 from .common import summary
 from .records import check_common, decode_image, decode_workers, looks_like_image
+from .target import Target, import_entry, open_target, refuse_existing, start_pool
 
 REGION_BYTES = 64 << 20   # decoded pixels of one batch that workers hand over in shared memory
 MAX_BAD_LISTED = 1000     # bad records a summary lists (all are counted)
@@ -61,21 +61,24 @@ class Row(NamedTuple):
 
 # ---------------------------------------------------------------- public entry points
 
+@import_entry
 def import_parquet(sources: Sequence[str | os.PathLike[str]], dataset: str | os.PathLike[str], *,
                    key: str | None = None, label: str | None = None, columns: Sequence[str] | None = None,
                    images: Sequence[str] = (), decode: str = "none", workers: int = 0, skip_bad: bool = False,
                    shard_size: int | str | None = None, compress: bool = False,
-                   progress: bool | None = None) -> dict[str, Any]:
+                   progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
     """Import Parquet files (files, or directories searched for *.parquet) into `dataset`.
 
     Keys come from the `key` column, else "<file name without .parquet>/<row:09d>". `label`
     names an integer column for the index label (default: the one ClassLabel column of
     HF-written files, if any). `columns` keeps a subset. Image columns are those named in
     `images`, HF Image features, {bytes, path} structs and binary columns whose first value
-    is an image file; they are decoded with decode="rgb"/"gray".
+    is an image file; they are decoded with decode="rgb"/"gray". existing: what to do with a
+    dataset already there ("refuse", "append", "overwrite": target.py).
     """
     started = time.perf_counter()
     _check_options(decode, workers, shard_size, "parquet")
+    refuse_existing(dataset, existing)
     files = find_files(sources, (".parquet",), unique=key is None)
     if not files:
         raise ConfigError(f"{', '.join(map(str, sources))}: no .parquet files found; pass Parquet files or "
@@ -83,28 +86,31 @@ def import_parquet(sources: Sequence[str | os.PathLike[str]], dataset: str | os.
     srcs = [Source(p, n, "parquet") for p, n in files]
     return _import(srcs, dataset, kind="parquet", split=None, key=key, label=label, columns=columns,
                    images=images, decode=decode, workers=workers, skip_bad=skip_bad, shard_size=shard_size,
-                   compress=compress, progress=progress, started=started, features=None)
+                   compress=compress, progress=progress, started=started, features=None, existing=existing)
 
 
+@import_entry
 def import_hf(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, split: str | None = None,
               key: str | None = None, label: str | None = None, columns: Sequence[str] | None = None,
               images: Sequence[str] = (), decode: str = "none", workers: int = 0, skip_bad: bool = False,
               shard_size: int | str | None = None, compress: bool = False,
-              progress: bool | None = None) -> dict[str, Any]:
+              progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
     """Import a Hugging Face dataset saved with `save_to_disk` (a Dataset, or one `split` of a
     DatasetDict), or a folder of Parquet/Arrow files (`split` keeps the files named for it).
 
     Read with pyarrow alone. Keys are "<split>/<row:09d>" (the row's index in the split)
     unless `key` names a column; the ClassLabel column, if there is one, is the label and
     its names the dataset's classes; Image features are decoded with `decode`. The split
-    and the features (as JSON) are recorded in the manifest under "import".
+    and the features (as JSON) are recorded in the manifest under "import". existing: as for
+    import_parquet.
     """
     started = time.perf_counter()
     _check_options(decode, workers, shard_size, "hf")
+    refuse_existing(dataset, existing)
     srcs, split, features = find_hf(Path(src), split)
     return _import(srcs, dataset, kind="hf", split=split, key=key, label=label, columns=columns, images=images,
                    decode=decode, workers=workers, skip_bad=skip_bad, shard_size=shard_size, compress=compress,
-                   progress=progress, started=started, features=features)
+                   progress=progress, started=started, features=features, existing=existing)
 
 
 # ---------------------------------------------------------------- converting a batch (parent)
@@ -223,7 +229,11 @@ class Decoder:
             self.ring = shared_ring.make_ring(2, REGION_BYTES)
             ctx = multiprocessing.get_context("fork")
         # else spawn cannot hand the mapping over: results are pickled
-        self.pool = ctx.Pool(workers, initializer=shared_ring.init_worker, initargs=(self.ring,))
+        try:
+            self.pool = start_pool(ctx, workers, shared_ring.init_worker, (self.ring,))  # they ignore Ctrl-C
+        except BaseException:
+            self.close()
+            raise
 
     def submit(self, tasks: list[tuple[tuple[str, Any], ...]]) -> _Done | _Pending:
         """Start decoding one batch (one tuple of (column, bytes) per row; empty: no image)."""
@@ -253,7 +263,7 @@ def _check_options(decode: str, workers: Any, shard_size: int | str | None, kind
 def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, split: str | None, key: str | None,
             label: str | None, columns: Sequence[str] | None, images: Sequence[str], decode: str, workers: int,
             skip_bad: bool, shard_size: int | str | None, compress: bool, progress: bool | None, started: float,
-            features: dict[str, Any] | None) -> dict[str, Any]:
+            features: dict[str, Any] | None, existing: str) -> dict[str, Any]:
     """Read every source batch by batch, put each good row, commit once; the summary."""
     plan, total = plan_sources(srcs, key=key, label=label, columns=columns, images=images, features=features)
     names = [c.name for c in plan.columns]
@@ -263,10 +273,10 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
     sniff = {c.name for c in plan.columns if c.kind == BYTES and c.name not in images}
     kinds: dict[str, str] = {c.name: c.kind for c in plan.columns}
     n = 0
-    decoder = Decoder(decode_workers(workers, decode), decode)  # decode="none": no pool
+    decoder: Decoder | None = None
     bar: Any = None
 
-    def put(store: Any, rows: list[Row], decoded: list[dict[str, Any] | str]) -> None:
+    def put(target: Target, rows: list[Row], decoded: list[dict[str, Any] | str]) -> None:
         nonlocal n
         for row, dec in zip(rows, decoded):
             bar.update(1)
@@ -282,16 +292,20 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
                 continue
             assert row.key is not None and not isinstance(dec, str)
             seen.add(row.key)
+            if not target.wants(row.key):
+                continue
             value = {c: dec[c] if c in dec else row.fields[c] for c in plan.stored} if dec else row.fields
-            store.put(row.key, value, label=row.label)  # fields in column order, images decoded
+            target.put(row.key, value, label=row.label)  # fields in column order, images decoded
             if row.label is not None:
                 labels.add(row.label)
             n += 1
 
     try:
+        decoder = Decoder(decode_workers(workers, decode), decode)  # decode="none": no pool
         bar = make_progress(total=total, label="import", enabled=progress)
-        with open_dataset(dataset, "a", shard_size=shard_size, compress=compress) as store:
-            _set_classes(store, plan)
+        with open_target(dataset, existing, shard_size=shard_size, compress=compress) as target:
+            if plan.classes is not None:
+                target.set_classes(plan.classes, f"the column {plan.label!r}'s names")
             waiting: tuple[list[Row], Any] | None = None
             row_base = 0  # hf: keys number the split's rows across its files
             for src in srcs:
@@ -305,40 +319,31 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
                     first += batch.num_rows
                     handle = decoder.submit(tasks)
                     if waiting is not None:
-                        put(store, waiting[0], waiting[1].get())
+                        put(target, waiting[0], waiting[1].get())
                     waiting = (rows, handle)
                 row_base += first
             if waiting is not None:
-                put(store, waiting[0], waiting[1].get())
-            if n == 0:
+                put(target, waiting[0], waiting[1].get())
+            if n == 0 and not target.kept:
                 raise InvalidValueError(f"no record could be imported ({len(bad)} bad); nothing was written")
-            store.set_extra(EXTRA_KEY, {
+            target.store.set_extra(EXTRA_KEY, {
                 "kind": kind, "split": split, "rows": n, "schema": plan.schema,
                 "features": None if plan.features is None else json.dumps(plan.features, sort_keys=True),
             })
-            store.seal()  # a finished import is read by memory-map offset and can be staged
-            store.commit()
+            target.commit()
     finally:
         if bar is not None:
             bar.close()
-        decoder.close()
-    out = summary(dataset, n, len(bad), len(plan.classes) if plan.classes is not None else len(labels), started)
+        if decoder is not None:
+            decoder.close()
+    out = summary(dataset, n, len(bad), len(plan.classes) if plan.classes is not None else len(labels), started,
+                  counts=target.counts())
     out["bad"] = [{"key": k, "where": w, "error": e} for k, w, e in bad[:MAX_BAD_LISTED]]
     out["records_per_s"] = round(n / max(time.perf_counter() - started, 1e-9), 1)
     stored = set(plan.stored)
     out["columns"] = {c.name: kinds[c.name] for c in plan.columns if c.name in stored}
     out["key"], out["label"], out["split"] = plan.key, plan.label, split
     return out
-
-
-def _set_classes(store: Any, plan: Plan) -> None:
-    """Record the ClassLabel names as the dataset's classes; a dataset with other classes is refused."""
-    if plan.classes is not None:
-        old = store.classes
-        if old and old != plan.classes:
-            raise ConfigError(f"{store.root} already has classes {old[:5]}{'...' if len(old) > 5 else ''} "
-                              f"that differ from the column {plan.label!r}'s names; import into a new dataset")
-        store.set_classes(plan.classes)
 
 
 def _sniff(batch: Any, sniff: set[str], kinds: dict[str, str], plan: Plan) -> None:

@@ -37,8 +37,8 @@ from .. import format as fmt
 from .._util.progress import progress as make_progress
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
-from ..reader.open import open_dataset
 from .common import summary
+from .target import import_entry, open_target, refuse_existing
 
 INSTALL_HINT = "pip install 'kvdata[caffe]'"
 # Pillow modes stored as decoded (uint8, their own channel count) and the ones converted first.
@@ -91,29 +91,33 @@ def _build_datum_class() -> type:
 
 # ---------------------------------------------------------------- public entry point
 
+@import_entry
 def import_caffe(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, keep_encoded: bool = False,
                  shard_size: int | str | None = None, compress: bool = False,
-                 progress: bool | None = None) -> dict[str, Any]:
+                 progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
     """Import every `Datum` record of the Caffe LMDB `src` (a directory holding data.mdb, or
     the data file itself) into `dataset`, keeping keys, key order and labels.
 
     Encoded records are decoded to pixels unless `keep_encoded`. The summary counts
-    distinct labels as "classes"; the dataset's class names are left as they are.
+    distinct labels as "classes"; the dataset's class names are left as they are (an
+    overwrite clears them). existing: what to do with a dataset already there ("refuse",
+    "append", "overwrite": target.py).
     """
     started = time.perf_counter()
     if shard_size is not None:
         parse_size(shard_size, "shard_size")
+    refuse_existing(dataset, existing)
     datum_type = datum_class()
     path = Path(src)
     env = _open_source(path)
     try:
         with env.begin(buffers=False) as txn:
             total = _check_source(path, env, txn, datum_type, keep_encoded)
-            labels = _write(path, txn, datum_type, total, dataset, keep_encoded=keep_encoded,
-                            shard_size=shard_size, compress=compress, progress=progress)
+            labels, counts = _write(path, txn, datum_type, total, dataset, keep_encoded=keep_encoded,
+                                    shard_size=shard_size, compress=compress, progress=progress, existing=existing)
     finally:
         env.close()
-    return summary(dataset, len(labels), 0, len(set(labels)), started)
+    return summary(dataset, len(labels), 0, len(set(labels)), started, counts=counts)
 
 
 # ---------------------------------------------------------------- the source LMDB
@@ -239,25 +243,28 @@ def _decode_image(data: bytes, at: str) -> np.ndarray:
 # ---------------------------------------------------------------- writing
 
 def _write(path: Path, txn: Any, datum_type: Any, total: int, dataset: str | os.PathLike[str], *,
-           keep_encoded: bool, shard_size: int | str | None, compress: bool, progress: bool | None) -> list[int]:
-    """Put every record in LMDB key order and commit once; on any error nothing is committed."""
+           keep_encoded: bool, shard_size: int | str | None, compress: bool, progress: bool | None,
+           existing: str) -> tuple[list[int], dict[str, Any]]:
+    """Put every record in LMDB key order and commit once; on any error nothing is committed.
+    Returns the labels written and the target's counts."""
     labels: list[int] = []
     where = str(path)
     bar = None
     try:
         bar = make_progress(total=total, label="import", enabled=progress)
-        with open_dataset(dataset, "a", shard_size=shard_size, compress=compress) as store:
+        with open_target(dataset, existing, shard_size=shard_size, compress=compress) as target:
             with txn.cursor() as cur:
                 for raw_key, raw_value in cur:
                     key = _key(path, raw_key)
+                    bar.update(1)
+                    if not target.wants(key):
+                        continue
                     value = datum_to_value(_parse(path, key, raw_value, datum_type), key,
                                            keep_encoded=keep_encoded, where=where)
-                    store.put(key, value, label=value["label"])
+                    target.put(key, value, label=value["label"])
                     labels.append(value["label"])
-                    bar.update(1)
-            store.seal()  # a finished import is read by memory-map offset and can be staged
-            store.commit()
+            target.commit()
     finally:
         if bar is not None:
             bar.close()
-    return labels
+    return labels, target.counts()

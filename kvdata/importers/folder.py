@@ -11,7 +11,8 @@ With workers > 1 and a new destination (missing or an empty directory), the one 
 the bottleneck, so each of the N workers decodes and writes a contiguous slice of the
 ordered items as its own part dataset and the parts are merged without copying
 (kvdata.importers.parts): same records, keys, labels and order as one writer, still all or
-nothing. Appending into a dataset that already exists keeps the single writer.
+nothing. Writing into a dataset that already exists (`existing`="append" or "overwrite",
+target.py) keeps the single writer.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..errors import ConfigError, InvalidValueError
 from ..reader.open import open_dataset
 from .common import summary
 from .parts import is_new_local, write_in_parts
+from .target import end_pool, import_entry, open_target, refuse_existing, start_pool
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"})
 DECODE_MODES = ("none", "rgb", "gray")
@@ -54,50 +56,58 @@ class Options(NamedTuple):
 
 # ---------------------------------------------------------------- public entry points
 
+@import_entry
 def import_folder(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, decode: str = "none",
                   resize: tuple[int, int] | None = None, shuffle: bool = True, seed: int = 0, workers: int = 0,
-                  shard_size: int | str | None = None, compress: bool = False, progress: bool | None = None) -> dict[str, Any]:
+                  shard_size: int | str | None = None, compress: bool = False, progress: bool | None = None,
+                  existing: str = "refuse") -> dict[str, Any]:
     """Import every image under `src` (ImageFolder layout: src/<class>/.../<file>) into `dataset`.
 
     The label of a file is the index of its top-level directory among the sorted
     class directory names, which are stored as the dataset's classes; files lying
     directly in `src` get no label. Keys are paths relative to `src` with "/".
     Files with other extensions are skipped and counted in the summary.
+    existing: what to do with a dataset already at `dataset`: "refuse", "append" (only keys it
+    lacks) or "overwrite" (replace its contents); see kvdata.importers.target.
     """
     started = time.perf_counter()
     opts = _check_options(decode, resize, workers, shard_size)
+    refuse_existing(dataset, existing)
     root = Path(src)
     if not root.is_dir():
         raise ConfigError(f"{root}: no such directory; pass the folder that holds the class directories")
     items, classes, skipped = scan_folder(root)
     if not items:
         raise ConfigError(f"{root}: no image files found ({', '.join(sorted(IMAGE_EXTENSIONS))}); check the path")
-    n, writers = _write(items, dataset, opts, classes=classes, shuffle=shuffle, seed=seed, workers=workers,
-                        shard_size=shard_size, compress=compress, progress=progress)
-    return summary(dataset, n, skipped, len(classes), started, writers)
+    n, writers, counts = _write(items, dataset, opts, classes=classes, shuffle=shuffle, seed=seed, workers=workers,
+                                shard_size=shard_size, compress=compress, progress=progress, existing=existing)
+    return summary(dataset, n, skipped, len(classes), started, writers, counts)
 
 
+@import_entry
 def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike[str], *,
                     root: str | os.PathLike[str], decode: str = "none", resize: tuple[int, int] | None = None,
                     shuffle: bool = True, seed: int = 0, workers: int = 0, shard_size: int | str | None = None,
-                    compress: bool = False, progress: bool | None = None) -> dict[str, Any]:
+                    compress: bool = False, progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
     """Import the images named by a Caffe list file ("relative/path label" per line) into `dataset`.
 
     Files are `root`/relative/path and keys are the paths as written. The list
     gives labels but no class names, so the dataset's classes are left as they
-    are; the summary's "classes" counts the distinct labels.
+    are (an overwrite clears them); the summary's "classes" counts the distinct labels.
+    existing: as for import_folder.
     """
     started = time.perf_counter()
     opts = _check_options(decode, resize, workers, shard_size)
+    refuse_existing(dataset, existing)
     base = Path(root)
     if not base.is_dir():
         raise ConfigError(f"root {base}: no such directory; pass the folder the list file's paths are relative to")
     items = parse_listfile(listfile, base)
     if not items:
         raise ConfigError(f"{listfile}: the list file names no images; write one 'relative/path label' per line")
-    n, writers = _write(items, dataset, opts, classes=None, shuffle=shuffle, seed=seed, workers=workers,
-                        shard_size=shard_size, compress=compress, progress=progress)
-    return summary(dataset, n, 0, len({it.label for it in items}), started, writers)
+    n, writers, counts = _write(items, dataset, opts, classes=None, shuffle=shuffle, seed=seed, workers=workers,
+                                shard_size=shard_size, compress=compress, progress=progress, existing=existing)
+    return summary(dataset, n, 0, len({it.label for it in items}), started, writers, counts)
 
 
 # ---------------------------------------------------------------- finding the files
@@ -244,44 +254,45 @@ def _context() -> Any:
 
 
 def _make_pool(workers: int) -> Any:
+    """The decoding processes (they ignore Ctrl-C: the parent ends them), or None for in-process."""
     if workers <= 1:
         return None
-    return _context().Pool(workers)
+    return start_pool(_context(), workers)
 
 
 def _write(items: list[Item], dataset: str | os.PathLike[str], opts: Options, *, classes: list[str] | None,
            shuffle: bool, seed: int, workers: int, shard_size: int | str | None, compress: bool,
-           progress: bool | None) -> tuple[int, int]:
-    """Put every item and commit once; on any error nothing of this import is committed.
-    Returns (records written, writer processes)."""
+           progress: bool | None, existing: str) -> tuple[int, int, dict[str, Any] | None]:
+    """Put every item and commit once; on any error (or Ctrl-C) nothing of this import is committed.
+    Returns (records written, writer processes, the target's counts: None for a new dataset)."""
     items = _ordered(items, shuffle, seed)
     if int(workers) > 1 and len(items) > 1 and is_new_local(dataset):
         writers = min(int(workers), len(items))
         n = write_in_parts(dataset, items, writers, _write_part, (opts, classes, shard_size, compress),
                            ctx=_context(), progress=progress)
-        return n, writers
-    pool = _make_pool(int(workers))  # before the store opens: children inherit no LMDB handle or lock
+        return n, writers, None
+    pool = None
     bar = None
     try:
+        pool = _make_pool(int(workers))  # before the store opens: children inherit no LMDB handle or lock
         bar = make_progress(total=len(items), label="import", enabled=progress)
-        with open_dataset(dataset, "a", shard_size=shard_size, compress=compress) as store:
+        with open_target(dataset, existing, shard_size=shard_size, compress=compress) as target:
             if classes is not None:
-                _check_classes(store, classes)
-                store.set_classes(classes)
-            for it, value in zip(items, _values(items, opts, pool, int(workers))):
+                target.set_classes(classes, "the class folders being imported")
+            todo = [it for it in items if target.wants(it.key)]  # an append skips keys it has, undecoded
+            bar.update(len(items) - len(todo))
+            for it, value in zip(todo, _values(todo, opts, pool, int(workers))):
                 if it.label is not None:
                     value["label"] = it.label
-                store.put(it.key, value, label=it.label)
+                target.put(it.key, value, label=it.label)
                 bar.update(1)
-            store.seal()  # a finished import is read by memory-map offset and can be staged
-            store.commit()
+            target.commit()
     finally:
         if bar is not None:
             bar.close()
         if pool is not None:
-            pool.terminate()
-            pool.join()
-    return len(items), 1
+            end_pool(pool)
+    return target.added + target.overwritten, 1, target.counts()
 
 
 def _write_part(part: str, items: list[Item], tick: Any, opts: Options, classes: list[str] | None,
@@ -300,9 +311,3 @@ def _write_part(part: str, items: list[Item], tick: Any, opts: Options, classes:
         store.seal()
         store.commit()
 
-
-def _check_classes(store: Any, classes: list[str]) -> None:
-    old = store.classes
-    if old and old != classes:
-        raise ConfigError(f"{store.root} already has classes {old[:5]}{'...' if len(old) > 5 else ''} that differ "
-                          "from the class folders being imported; import into a new dataset")

@@ -12,8 +12,11 @@ copied.
 All or nothing: the first failing writer (its error is re-raised as it was, e.g. the
 InvalidValueError naming a bad image), a KeyboardInterrupt in the parent, or a refused merge
 stops every writer, removes the parts directory and leaves DEST as it was (merge is crash-safe:
-DEST becomes a dataset only by its final rename). A parent killed outright (SIGKILL) leaves the
-`DEST.parts-<pid>` directory behind; it is plain files and safe to delete.
+DEST becomes a dataset only by its final rename). Writers ignore SIGINT (a terminal's Ctrl-C
+reaches the whole process group): the parent alone stops them. Once every part is written the
+merge is the import's commit (target.commit_begins): a Ctrl-C from then on is too late and is
+dropped. A parent killed outright (SIGKILL) leaves the `DEST.parts-<pid>` directory behind; it
+is plain files and safe to delete (`find_parts_dirs` finds it, and `kvdata info DEST` says so).
 
 Only for a new destination (`is_new_local`): appending to a dataset that has records keeps the
 single writer, since merge builds a new dataset and never adds to one.
@@ -35,15 +38,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._util.interrupts import interrupts_deferred
 from .._util.progress import progress as make_progress
 from ..errors import KVDataError
 from ..store.merge import merge
 from ..tiers.home_base import is_url
+from .target import commit_begins
 
 POLL_SECONDS = 0.2
 SINGLE_WRITER_ENV = "KVDATA_BENCH_SINGLE_WRITER"  # "1": keep the one-writer path (benchmarks only)
 
-__all__ = ["is_new_local", "parts_dir_for", "write_in_parts", "bounds", "Tick", "SINGLE_WRITER_ENV"]
+__all__ = ["is_new_local", "parts_dir_for", "find_parts_dirs", "write_in_parts", "bounds", "Tick", "SINGLE_WRITER_ENV"]
 
 
 def is_new_local(dest: str | os.PathLike[str]) -> bool:
@@ -64,6 +69,35 @@ def parts_dir_for(dest: str | os.PathLike[str]) -> Path:
     """The sibling directory this process writes its parts into."""
     path = Path(os.path.abspath(dest))
     return path.parent / f"{path.name}.parts-{os.getpid()}"
+
+
+def find_parts_dirs(dest: str | os.PathLike[str]) -> list[tuple[Path, int, bool]]:
+    """The parts directories of imports into `dest` (parts_dir_for of any process): (path, pid,
+    whether that process is still running), so a reader of a dataset being built can say so."""
+    path = Path(os.path.abspath(dest))
+    prefix = f"{path.name}.parts-"
+    found: list[tuple[Path, int, bool]] = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return []
+    for e in entries:
+        pid_text = e.name[len(prefix):]
+        if not e.name.startswith(prefix) or not pid_text.isdigit() or not e.is_dir(follow_symlinks=False):
+            continue
+        pid = int(pid_text)
+        found.append((Path(e.path), pid, _running(pid)))
+    return sorted(found)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # (someone else's process: it exists)
+    return True
 
 
 def bounds(n: int, writers: int) -> list[tuple[int, int]]:
@@ -125,14 +159,15 @@ def write_in_parts(dest: str | os.PathLike[str], items: Sequence[Any], writers: 
     shown = 0
     try:
         parts = [str(parts_dir / f"p{i}") for i in range(len(slices))]
-        for i, (lo, hi) in enumerate(slices):
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_run_part, args=(target, parts[i], items[lo:hi], args, counts, i, send),
-                               name=f"kvdata-import-writer-{i}", daemon=True)
-            proc.start()
-            send.close()  # the parent keeps only the reading end: EOF there means the writer died
-            procs.append(proc)
-            conns.append(recv)
+        with interrupts_deferred():  # a forked writer inherits the holding handler until it ignores SIGINT
+            for i, (lo, hi) in enumerate(slices):
+                recv, send = ctx.Pipe(duplex=False)
+                conns.append(recv)
+                proc = ctx.Process(target=_run_part, args=(target, parts[i], items[lo:hi], args, counts, i, send),
+                                   name=f"kvdata-import-writer-{i}", daemon=True)
+                proc.start()
+                procs.append(proc)
+                send.close()  # the parent keeps only the reading end: EOF there means the writer died
         pending = dict(enumerate(conns))
         while pending:
             ready = multiprocessing.connection.wait(list(pending.values()), timeout=POLL_SECONDS)
@@ -153,6 +188,7 @@ def write_in_parts(dest: str | os.PathLike[str], items: Sequence[Any], writers: 
                     raise msg[1]
         for proc in procs:
             proc.join()
+        commit_begins()
         merge(parts, dest_path, move=True, progress=False)
     finally:
         for proc in procs:

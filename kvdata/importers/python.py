@@ -54,6 +54,7 @@ def from_iterable(path: str | os.PathLike[str], iterable: Iterable[Mapping[str, 
     total = len(iterable) if hasattr(iterable, "__len__") else None  # type: ignore[arg-type]
     seen: dict[str, int] = {}
     labels: set[int] = set()
+    overwritten = 0
     bar = None
     try:
         bar = make_progress(total=total, label="import", enabled=progress)
@@ -73,6 +74,8 @@ def from_iterable(path: str | os.PathLike[str], iterable: Iterable[Mapping[str, 
                     raise InvalidKeyError(f"item {i}: generated key {rkey!r} is already in {path} (its keys are "
                                           "not all generated); pass key=FIELD")
                 seen[rkey] = i
+                if mode == "a" and already and rkey in store:
+                    overwritten += 1
                 value = {name: _field(name, v, i) for name, v in item.items()}
                 lv = value.get("label")
                 store.put(rkey, value)
@@ -86,7 +89,10 @@ def from_iterable(path: str | os.PathLike[str], iterable: Iterable[Mapping[str, 
     finally:
         if bar is not None:
             bar.close()
-    return summary(path, len(seen), 0, len(labels), started)
+    # (mode "w" empties the dataset when it opens: its counts are those of a new one)
+    counts = {"mode": {"x": "new", "a": "append" if already else "new", "w": "overwrite"}[mode],
+              "added": len(seen) - overwritten, "overwritten": overwritten, "kept": 0, "removed": 0}
+    return summary(path, len(seen), 0, len(labels), started, counts=counts)
 
 
 def from_arrays(path: str | os.PathLike[str], fields: Mapping[str, Any] | None = None, /, *, mode: str = "x",

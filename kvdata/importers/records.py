@@ -37,9 +37,9 @@ from .. import format as fmt
 from .._util.progress import progress as make_progress
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
-from ..reader.open import open_dataset
 from . import shared_ring
 from .common import summary
+from .target import open_target, start_pool
 
 DECODE_MODES = ("none", "rgb", "gray")
 # The formats Pillow may open: hostile bytes never reach its rarer decoders.
@@ -137,7 +137,8 @@ class Workers(NamedTuple):
 
 def make_pool(workers: int) -> Workers | None:
     """A fork pool for workers >= 2 (None: load in-process), its processes given the shared
-    mapping. Made before the store opens, so children inherit no LMDB handle or writer lock."""
+    mapping; they ignore Ctrl-C (target.start_pool). Made before the store opens, so children
+    inherit no LMDB handle or writer lock."""
     if workers <= 1:
         return None
     if "fork" in multiprocessing.get_all_start_methods():
@@ -145,7 +146,12 @@ def make_pool(workers: int) -> Workers | None:
         ctx: Any = multiprocessing.get_context("fork")
     else:
         ring, ctx = None, multiprocessing.get_context()
-    return Workers(ctx.Pool(workers, initializer=shared_ring.init_worker, initargs=(ring,)), ring)
+    try:
+        pool = start_pool(ctx, workers, shared_ring.init_worker, (ring,))
+    except BaseException:
+        shared_ring.close_pool(None, ring)
+        raise
+    return Workers(pool, ring)
 
 
 @contextlib.contextmanager
@@ -236,14 +242,17 @@ def _loaded(tasks: list[Any], load: Callable[[Any], Iterable[Loaded | Bad]], poo
 def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], dataset: str | os.PathLike[str], *,
                   total: int, pool: Workers | None, workers: int, skip_bad: bool, scan_bad: list[Bad],
                   shard_size: int | str | None, compress: bool, progress: bool | None, started: float,
-                  ignored: int = 0) -> dict[str, Any]:
+                  ignored: int = 0, existing: str = "refuse",
+                  key_of: Callable[[Any], str] | None = None) -> dict[str, Any]:
     """Put every record the tasks load (in `pool`, from worker_pool, made before the dataset
     opens), in order, and commit once; return the summary.
 
     A Bad result (or a key seen twice) fails the import with its reason unless skip_bad,
     in which case it is counted in "skipped" and listed in "bad" (up to MAX_BAD_LISTED).
     `scan_bad` are the records the scan already refused (only passed with skip_bad);
-    `ignored` counts members that are not records at all (no extension, directories)."""
+    `ignored` counts members that are not records at all (no extension, directories).
+    `existing`: see target.py; `key_of`: a task's key where the scan knows it, so an append
+    leaves out the keys the dataset has before they are read."""
     bad = list(scan_bad)
     seen: dict[str, str] = {}
     labels: set[int] = set()
@@ -251,7 +260,11 @@ def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], d
     bar = None
     try:
         bar = make_progress(total=total, label="import", enabled=progress)
-        with open_dataset(dataset, "a", shard_size=shard_size, compress=compress) as store:
+        with open_target(dataset, existing, shard_size=shard_size, compress=compress) as target:
+            if key_of is not None:
+                wanted = [t for t in tasks if target.wants(key_of(t))]
+                bar.update(len(tasks) - len(wanted))
+                tasks = wanted
             for result in _loaded(tasks, load, pool, int(workers)):
                 bar.update(1)
                 if isinstance(result, Loaded) and result.key in seen:
@@ -265,18 +278,19 @@ def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], d
                     bad.append(result)
                     continue
                 seen[result.key] = result.where
-                store.put(result.key, result.value, label=result.label)
+                if key_of is None and not target.wants(result.key):
+                    continue
+                target.put(result.key, result.value, label=result.label)
                 if result.label is not None:
                     labels.add(result.label)
                 n += 1
-            if n == 0:
+            if n == 0 and not target.kept:
                 raise InvalidValueError(f"no record could be imported ({len(bad)} bad); nothing was written")
-            store.seal()  # a finished import is read by memory-map offset and can be staged
-            store.commit()
+            target.commit()
     finally:
         if bar is not None:
             bar.close()
-    out = summary(dataset, n, len(bad) + ignored, len(labels), started)
+    out = summary(dataset, n, len(bad) + ignored, len(labels), started, counts=target.counts())
     out["bad"] = [{"key": b.key, "where": b.where, "error": b.reason} for b in bad[:MAX_BAD_LISTED]]
     out["records_per_s"] = round(n / max(time.perf_counter() - started, 1e-9), 1)
     return out

@@ -40,6 +40,7 @@ import numpy as np
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidValueError
 from .records import Bad, Loaded, check_common, decode_image, key_problem, looks_like_image, open_same, worker_pool, write_records
+from .target import import_entry, refuse_existing
 
 INSTALL_HINT = "pip install 'kvdata[tfrecord]'"
 DEFAULT_MAX_RECORD = "256MB"
@@ -151,14 +152,17 @@ class Task(NamedTuple):
     ident: tuple[int, int]  # (st_dev, st_ino) of the file the scan read
 
 
+@import_entry
 def import_tfrecord(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike[str], *,
                     decode: str = "none", key_feature: str | None = None, workers: int = 0, skip_bad: bool = False,
                     max_record_size: int | str = DEFAULT_MAX_RECORD, shard_size: int | str | None = None,
-                    compress: bool = False, progress: bool | None = None) -> dict[str, Any]:
+                    compress: bool = False, progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
     """Import the Example records of TFRecord files (or of every file in a directory, in name
-    order) into `dataset`, in file order. Returns the summary (with "bad" as in import_wds)."""
+    order) into `dataset`, in file order. Returns the summary (with "bad" as in import_wds).
+    existing: what to do with a dataset already there ("refuse", "append", "overwrite": target.py)."""
     started = time.perf_counter()
     check_common(decode, workers, shard_size, INSTALL_HINT)
+    refuse_existing(dataset, existing)
     limit = parse_size(max_record_size, "max_record_size")
     if key_feature is not None and not key_feature:
         raise ConfigError("key: name the feature that holds each record's key")
@@ -185,7 +189,7 @@ def import_tfrecord(sources: list[str | os.PathLike[str]], dataset: str | os.Pat
     with worker_pool(workers, decode) as pool:
         return write_records(tasks, load_task, dataset, total=total, pool=pool, workers=workers, skip_bad=skip_bad,
                              scan_bad=scan_bad, shard_size=shard_size, compress=compress, progress=progress,
-                             started=started)
+                             started=started, existing=existing)
 
 
 def find_files(sources: list[str | os.PathLike[str]]) -> list[str]:

@@ -41,6 +41,7 @@ import numpy as np
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidValueError
 from .records import Bad, Loaded, check_common, decode_image, key_problem, map_ordered, open_same, worker_pool, write_records
+from .target import import_entry, refuse_existing
 
 INSTALL_HINT = "pip install 'kvdata[images]'"
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "bmp", "gif", "webp", "ppm", "tif", "tiff"})
@@ -68,15 +69,18 @@ class TarDamaged(InvalidValueError):
 
 # ---------------------------------------------------------------- public entry point
 
+@import_entry
 def import_wds(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike[str], *, decode: str = "none",
                workers: int = 0, skip_bad: bool = False, max_member_size: int | str = DEFAULT_MAX_MEMBER,
                shard_size: int | str | None = None, compress: bool = False,
-               progress: bool | None = None) -> dict[str, Any]:
+               progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
     """Import WebDataset tar shards (files, or directories whose *.tar files are taken in name
     order) into `dataset`, one record per key group, in tar order. Returns the summary
-    (kvdata.importers.common.summary plus "bad": the records left out with skip_bad)."""
+    (kvdata.importers.common.summary plus "bad": the records left out with skip_bad).
+    existing: what to do with a dataset already there ("refuse", "append", "overwrite": target.py)."""
     started = time.perf_counter()
     check_common(decode, workers, shard_size, INSTALL_HINT)
+    refuse_existing(dataset, existing)
     limit = parse_size(max_member_size, "max_member_size")
     tars = find_tars(sources)
     groups: list[Group] = []
@@ -102,7 +106,8 @@ def import_wds(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike
                                     f"found{f' ({len(scan_bad)} bad)' if scan_bad else ''}; nothing was written")
         return write_records(groups, load_group, dataset, total=len(groups), pool=pool, workers=workers,
                              skip_bad=skip_bad, scan_bad=scan_bad, shard_size=shard_size, compress=compress,
-                             progress=progress, started=started, ignored=ignored)
+                             progress=progress, started=started, ignored=ignored, existing=existing,
+                             key_of=_group_key)
 
 
 # ---------------------------------------------------------------- finding and scanning tars
@@ -150,6 +155,10 @@ def _member_problem(info: tarfile.TarInfo, limit: int) -> str | None:
     if info.size > limit:
         return f"it declares {info.size} bytes, over the {limit}-byte limit (raise --max-member-size)"
     return None
+
+
+def _group_key(g: Group) -> str:
+    return g.key
 
 
 def _scan_task(task: tuple[str, int, str]) -> tuple[list[Group], list[Bad], int]:

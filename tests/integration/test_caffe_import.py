@@ -223,11 +223,11 @@ def test_corrupt_record_names_the_key_and_commits_nothing(tmp_path: Path) -> Non
         import_caffe(tmp_path / "src", tmp_path / "ds", progress=False)
     assert "\n" not in str(info.value)
     assert samples(tmp_path / "ds") == 0
-    # an existing dataset stays at its generation
+    # an existing dataset stays at its generation (an overwrite: its deletes are discarded too)
     with kvdata.open(tmp_path / "old", "a") as store:
         store.put("existing", b"kept")
     with pytest.raises(InvalidValueError, match=keys[2]):
-        import_caffe(tmp_path / "src", tmp_path / "old", progress=False)
+        import_caffe(tmp_path / "src", tmp_path / "old", progress=False, existing="overwrite")
     with kvdata.open(tmp_path / "old") as store:
         assert list(store.keys()) == ["existing"]
 

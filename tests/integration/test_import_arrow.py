@@ -332,18 +332,19 @@ def test_corrupt_image_fails_all_or_nothing_or_is_skipped_by_key(tmp_path: Path)
     pq.write_table(pa.table({"key": [f"k{i}" for i in range(600)], "img": images}), tmp_path / "c.parquet")
     with kvdata.open(tmp_path / "ds", "a") as store:
         store.put("old", {"x": 1})
-    for workers in (0, 2):
+    for workers in (0, 2):  # (overwrites: their deletes of what the dataset held are discarded too)
         with pytest.raises(InvalidValueError, match=r"row 450 \(key 'k450'\): column 'img': Pillow cannot decode"):
             import_parquet([tmp_path / "c.parquet"], tmp_path / "ds", key="key", decode="rgb", workers=workers,
-                           progress=False)
+                           progress=False, existing="overwrite")
         with kvdata.open(tmp_path / "ds") as store:
             assert list(store.keys()) == ["old"]
     summary = import_parquet([tmp_path / "c.parquet"], tmp_path / "ds", key="key", decode="rgb", skip_bad=True,
-                             workers=2, progress=False)
+                             workers=2, progress=False, existing="overwrite")
     assert summary["imported"] == 599 and summary["skipped"] == 1
+    assert summary["added"] == 599 and summary["removed"] == 1 and summary["mode"] == "overwrite"
     assert summary["bad"][0]["key"] == "k450" and "Pillow" in summary["bad"][0]["error"]
     with kvdata.open(tmp_path / "ds") as store:  # 3 batches through the workers' two shared regions
-        assert len(store) == 600 and "k450" not in store
+        assert len(store) == 599 and "k450" not in store and "old" not in store
         for i in (*range(450), *range(451, 600)):
             assert np.array_equal(store.get(f"k{i}")["img"], _pixels(images[i])), i
 

@@ -198,12 +198,12 @@ def test_an_undecodable_image_fails_the_import_or_is_skipped(tmp_path, cli):
     png, _ = _png(1)
     tar = _tar(tmp_path / "s.tar", [_reg("a.png", png), _reg("a.cls", b"1"), _reg("b.png", b"\x89PNG\r\n\x1a\nbroken"),
                                     _reg("b.cls", b"2"), _reg("c.cls", b"three")])
-    existing = tmp_path / "ds"
-    kvdata.from_iterable(existing, [{"k": "old", "v": 1}], key="k")
+    existing = tmp_path / "ds"  # (appended to: its records have the fields the tar's will have)
+    kvdata.from_iterable(existing, [{"k": "old", "png": np.zeros((6, 7, 1), np.uint8), "cls": 0}], key="k")
     with pytest.raises(InvalidValueError, match=r"s\.tar: member 'b\.png': field 'png' of key 'b': Pillow cannot decode"):
-        import_wds([tar], existing, decode="rgb")
+        import_wds([tar], existing, decode="rgb", existing="append")
     assert list(_read_all(existing)) == ["old"]  # all-or-nothing: the failed import left it as it was
-    r = cli.run("import", "wds", tar, existing, "--decode", "gray", "--skip-bad", "--json")
+    r = cli.run("import", "wds", tar, existing, "--decode", "gray", "--skip-bad", "--append", "--json")
     assert r.rc == 0, str(r)
     assert sorted(b["key"] for b in r.json()["bad"]) == ["b", "c"]
     got = _read_all(existing)

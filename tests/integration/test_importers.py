@@ -159,9 +159,9 @@ def test_undecodable_image_commits_nothing(tree: Path, tmp_path: Path) -> None:
     ds = tmp_path / "ds"
     with kvdata.open(ds, "a") as store:
         store.put("existing", b"kept")
-    for workers in (0, 2):
+    for workers in (0, 2):  # (an overwrite: its deletes of the records there are discarded too)
         with pytest.raises(InvalidValueError, match=r"broken\.png: Pillow cannot decode"):
-            import_folder(bad, ds, decode="rgb", shuffle=False, workers=workers, progress=False)
+            import_folder(bad, ds, decode="rgb", shuffle=False, workers=workers, progress=False, existing="overwrite")
         with kvdata.open(ds) as store:
             assert list(store.keys()) == ["existing"] and store.classes == []
 

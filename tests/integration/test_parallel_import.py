@@ -134,10 +134,10 @@ def test_bad_image_fails_all_or_nothing(tree: Path, tmp_path: Path) -> None:
 
 def test_append_keeps_the_single_writer(tree: Path, tmp_path: Path) -> None:
     ds = tmp_path / "ds"
-    with kvdata.open(ds, "a") as store:
-        store.put("existing", b"kept")
-    s = import_folder(tree, ds, decode="rgb", seed=1, workers=2, progress=False)
-    assert s["writers"] == 1
+    with kvdata.open(ds, "a") as store:  # (an append's records must have the fields the dataset's have)
+        store.put("existing", {"image": np.zeros((2, 2, 3), np.uint8), "label": 0}, label=0)
+    s = import_folder(tree, ds, decode="rgb", seed=1, workers=2, progress=False, existing="append")
+    assert s["writers"] == 1 and s["mode"] == "append" and s["added"] == 3 * PER_CLASS + 1
     import_folder(tree, tmp_path / "fresh", decode="rgb", seed=1, workers=2, progress=False)
     with kvdata.open(ds) as store:
         keys = list(store.keys())
