@@ -2,7 +2,9 @@
 
 This module holds the `main` group and its error handling: every error kvdata
 raises on purpose becomes one `kvdata: error: ...` line on stderr and a non-zero
-exit code, never a traceback. The commands live in one module per group:
+exit code, never a traceback. Like any Unix tool: `kvdata` alone prints its help
+(stdout, exit 0); output cut short by a reader that went away (`kvdata ls X | head`)
+ends quietly with exit 0; Ctrl-C ends a command with one line and exit 130. The commands live in one module per group:
 data.py (put/get/rm/ls/info/verify/reindex/seal), cache.py (stage/evict/status/
 cache ls/push), imports.py (import folder|listfile|caffe, demo), merge.py and compact.py; output.py
 prints for all of them. `--json` output is stable (documented in docs/CLI.md).
@@ -10,8 +12,10 @@ prints for all of them. `--json` output is stable (documented in docs/CLI.md).
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -23,6 +27,31 @@ __all__ = ["main"]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+# click >= 8.2 raises this for a group run without a command (8.1 printed the help and exited 0)
+_NO_ARGS: type[Exception] | None = getattr(click.exceptions, "NoArgsIsHelpError", None)
+
+
+def _is_broken_pipe(e: BaseException) -> bool:
+    return isinstance(e, BrokenPipeError) or (isinstance(e, OSError) and e.errno == errno.EPIPE)
+
+
+def _pipe_closed() -> NoReturn:
+    """stdout's reader went away (`kvdata ls X | head -1`): stop quietly with exit 0, stdout
+    pointed at /dev/null so that flushing what is left at exit cannot fail again
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+    sys.exit(0)
+
+
+def _interrupted() -> NoReturn:
+    """Ctrl-C: one line, exit 130 (what was being written is discarded by whoever wrote it)."""
+    click.echo("kvdata: interrupted", err=True)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 class KVDataGroup(click.Group):
@@ -32,16 +61,28 @@ class KVDataGroup(click.Group):
         kwargs["standalone_mode"] = False
         try:
             rv = super().main(*args, **kwargs)
-        except click.UsageError as e:  # bad option value, missing argument: one line, exit 2
+            sys.stdout.flush()  # a closed pipe shows here at the latest, not at exit
+        except click.UsageError as e:
+            if _NO_ARGS is not None and isinstance(e, _NO_ARGS) and e.ctx is not None:
+                click.echo(e.ctx.get_help())  # `kvdata` (or `kvdata import`) alone: its help, exit 0
+                sys.exit(0)
             hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
-            error(f"{e.format_message()}{hint}")
+            error(f"{e.format_message()}{hint}")  # bad option value, missing argument: one line, exit 2
             sys.exit(EXIT_USAGE)
         except click.ClickException as e:
             error(e.format_message())
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
+        except click.exceptions.Abort as e:
+            if isinstance(e.__context__, KeyboardInterrupt):  # Ctrl-C outside a command (click's Abort)
+                _interrupted()
             click.echo("kvdata: aborted", err=True)
             sys.exit(1)
+        except KeyboardInterrupt:
+            _interrupted()
+        except OSError as e:
+            if _is_broken_pipe(e):
+                _pipe_closed()
+            raise
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -52,11 +93,12 @@ class KVDataGroup(click.Group):
         except KeyError as e:
             fail(str(e.args[0]) if e.args else "key not found")
         except OSError as e:
+            if _is_broken_pipe(e):
+                _pipe_closed()
             where = f"{e.filename}: " if e.filename else ""
             fail(f"{where}{e.strerror or e}")
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+            _interrupted()
 
 
 @click.group(cls=KVDataGroup, context_settings={"help_option_names": ["-h", "--help"]})

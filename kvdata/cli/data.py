@@ -5,6 +5,7 @@ The library is imported inside each command, so `kvdata --help` stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
@@ -58,11 +59,13 @@ def _walk_inputs(paths: tuple[str, ...], key: str | None) -> list[tuple[str, Pat
 @click.option("--label", "-l", type=int, help="Integer label stored with each record.")
 @click.option("--shard-size", help="Seal shards at this size when creating the dataset (e.g. 256MB).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def put(dataset: str, paths: tuple[str, ...], key: str | None, label: int | None, shard_size: str | None,
-        as_json: bool) -> None:
+        as_json: bool, quiet: bool) -> None:
     """Store files (key = file name), directories (key = relative path) or stdin ('-' with --key).
 
-    Creates DATASET if it does not exist. All records commit together.
+    Creates DATASET if it does not exist. All records commit together; says what it wrote
+    ("put 2 records into DATASET (generation N)") unless --quiet.
     """
     from ..format import check_key
     from ..reader.open import open_dataset
@@ -82,8 +85,8 @@ def put(dataset: str, paths: tuple[str, ...], key: str | None, label: int | None
         gen = store.commit()
     if as_json:
         print_json({"dataset": dataset, "put": n, "generation": gen})
-    elif sys.stderr.isatty():
-        click.echo(f"put {n} record(s) into {dataset} (generation {gen})", err=True)
+    elif not quiet:
+        click.echo(f"put {n} record{'' if n == 1 else 's'} into {dataset} (generation {gen})")
 
 
 def _value_bytes(value: Any, key: str, field: str | None) -> memoryview:
@@ -147,9 +150,7 @@ def _write_output(out: Path, data: memoryview) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the record's metadata instead of its bytes.")
 def get(dataset: str, key: str, output: str | None, field: str | None, as_json: bool) -> None:
     """Write a record's raw bytes to stdout or FILE (or its metadata with --json)."""
-    from ..reader.open import open_dataset
-
-    with open_dataset(dataset) as store:
+    with open_to_read(dataset) as store:
         pos = store.find(key)
         if pos is None:
             raise KVDataError(f"key {key!r} is not in {dataset}; list keys with `kvdata ls {dataset}`")
@@ -172,7 +173,7 @@ def rm(dataset: str, keys: tuple[str, ...]) -> None:
     from ..reader.open import open_dataset
 
     keys = tuple(dict.fromkeys(keys))  # a key named twice is deleted once
-    with open_dataset(dataset) as reader:
+    with open_to_read(dataset) as reader:
         missing = [k for k in keys if k not in reader]
     if missing:
         raise KVDataError(f"key {missing[0]!r} is not in {dataset}; nothing was deleted")
@@ -182,6 +183,47 @@ def rm(dataset: str, keys: tuple[str, ...]) -> None:
 
 
 # ---------------------------------------------------------------- ls / info
+
+
+def open_to_read(dataset: str) -> Store:
+    """`open_dataset(dataset)` for a read command; where there is no dataset yet but an import is
+    building it (its parts directory DATASET.parts-PID beside it), the error says so."""
+    from ..reader.open import open_dataset
+
+    with said_if_being_built(dataset):
+        return open_dataset(dataset)
+
+
+@contextlib.contextmanager
+def said_if_being_built(dataset: str) -> Iterator[None]:
+    """A NotADatasetError about `dataset` says so when an import is building it (being_built)."""
+    from ..errors import NotADatasetError
+
+    try:
+        yield
+    except NotADatasetError as e:
+        building = being_built(dataset)
+        if building is None:
+            raise
+        raise NotADatasetError(building) from e
+
+
+def being_built(dataset: str) -> str | None:
+    """One line about the imports building `dataset` in parallel (importers.parts), or None."""
+    from ..importers.parts import find_parts_dirs
+    from ..tiers.home_base import is_url
+
+    if is_url(dataset):
+        return None
+    found = find_parts_dirs(dataset)
+    if not found:
+        return None
+    path, pid, running = next(((p, i, r) for p, i, r in found if r), found[0])
+    if running:
+        return (f"{dataset} is being built by an import (process {pid}, its parts in {path}); "
+                "try again when the import has finished")
+    return (f"{dataset} is not a dataset: {path} was left by an import that was killed (process {pid} is gone); "
+            "delete it and run the import again")
 
 
 def _iter_described(store: Store, stop: int) -> Iterator[dict[str, Any]]:
@@ -196,9 +238,7 @@ def _iter_described(store: Store, stop: int) -> Iterator[dict[str, Any]]:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per record, as a list.")
 def ls(dataset: str, long_: bool, limit: int | None, as_json: bool) -> None:
     """List keys in sample order."""
-    from ..reader.open import open_dataset
-
-    with open_dataset(dataset) as store:
+    with open_to_read(dataset) as store:
         stop = len(store) if limit is None else min(limit, len(store))
         rows = _iter_described(store, stop)
         if as_json:
@@ -240,9 +280,7 @@ def dataset_info(store: Store) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def info(dataset: str, as_json: bool) -> None:
     """Samples, shards, bytes on disk, fields and generation."""
-    from ..reader.open import open_dataset
-
-    with open_dataset(dataset) as store:
+    with open_to_read(dataset) as store:
         d = dataset_info(store)
     if as_json:
         print_json(d)
@@ -271,7 +309,8 @@ def verify(dataset: str, as_json: bool) -> None:
     """Check shard checksums, every record's crc32 and the index; exit 1 naming what is bad."""
     from ..reader.open import verify as run_verify
 
-    report = run_verify(dataset)
+    with said_if_being_built(dataset):
+        report = run_verify(dataset)
     if as_json:
         print_json(report)
     else:
