@@ -66,6 +66,7 @@ def pytest_sessionstart(session: object) -> None:
 # skips a test with `pytest.importorskip` naming the extra it needs.
 NEEDS_OPTIONAL = {
     "torch": ["integration/test_sampler.py", "integration/test_loader.py", "integration/test_kv_loader.py",
+              "integration/test_torch_seam.py",
               "integration/test_unannounced.py", "unit/test_locality.py", "unit/test_cluster_sim.py"],
     "PIL": ["integration/test_importers.py", "integration/test_parallel_import.py",
             "integration/test_caffe_import.py"],
