@@ -20,10 +20,11 @@ from .tier_trust import others_may_write
 
 
 class ClaimFiles:
-    """Who reads what in a tier, and how: the claim-file methods of Tier (a mixin over the
-    tier's `locks` directory)."""
+    """Who reads what in a tier, and how: the claim files in a tier's `locks` directory (Tier
+    inherits them)."""
 
-    locks: Path
+    def __init__(self, locks: Path) -> None:
+        self.locks = locks
 
     def _claims_dir(self, create: bool) -> Path:
         """`locks/claims-<uid>`: this uid's claim files (a directory of their own: the locks

@@ -62,7 +62,7 @@ class FsspecHome(Home):
         except ImportError:
             raise KVDataError(f"{url}: this home needs fsspec (and the package for its scheme): "
                               "pip install 'kvdata[fsspec]'") from None
-        self.url = url.rstrip("/")
+        super().__init__(url.rstrip("/"))
         target = self.url[len(FSSPEC_PREFIX):] if self.url.lower().startswith(FSSPEC_PREFIX) else self.url
         try:
             self._fs, root = fsspec.core.url_to_fs(target)

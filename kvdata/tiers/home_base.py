@@ -35,7 +35,6 @@ class Home:
     """A dataset's home. Names are relative paths inside the dataset ("manifest.json",
     "index/samples-1.bin", "shards/000000.mdb.zst")."""
 
-    url: str
     writable = False
     trusted_manifest = True   # its manifest binds compressed copies to content hashes (see PassedFiles)
     #: the tiers.records.RecordReader of this home, made on its first record read and kept with
@@ -44,6 +43,10 @@ class Home:
     #: whether readers can read this home's shards record by record (tiers.records: remote homes,
     #: whose framed cold copies take ranged GETs); a local home is read in place instead
     record_reads = False
+
+    def __init__(self, url: str) -> None:
+        """url: where the dataset lives, as messages and logs name it (a local home: its path)."""
+        self.url = url
 
     def local_path(self, name: str) -> Path | None:
         """A path that can be read in place, or None for remote homes."""

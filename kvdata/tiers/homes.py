@@ -38,7 +38,7 @@ class LocalHome(Home):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = Path(path)
-        self.url = str(self.root)
+        super().__init__(str(self.root))
 
     def local_path(self, name: str) -> Path | None:
         return self.root / name
@@ -169,7 +169,7 @@ class PassedFiles(Home):
     trusted_manifest = False
 
     def __init__(self, label: str) -> None:
-        self.url = label
+        super().__init__(label)
         self._fds: dict[str, tuple[int, str]] = {}   # sha256 -> (fd, "mdb" | "zst")
         self._lock = threading.Lock()
         self._closed = False

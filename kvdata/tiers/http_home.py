@@ -25,7 +25,7 @@ class HTTPHome(Home):
         u = urllib.parse.urlparse(url)
         if not u.hostname:
             raise RemoteError(f"{url}: not a valid HTTP URL")
-        self.url = url.rstrip("/")
+        super().__init__(url.rstrip("/"))
         self._scheme, self._host, self._port = u.scheme, u.hostname, u.port
         self._base = u.path.rstrip("/")
         self._local = threading.local()

@@ -36,7 +36,7 @@ class S3Home(Home):
 
     def __init__(self, url: str, max_connections: int = 32) -> None:
         u = urllib.parse.urlparse(url)
-        self.url = url.rstrip("/")
+        super().__init__(url.rstrip("/"))
         self.bucket = u.netloc
         self.prefix = u.path.strip("/")
         if not self.bucket:

@@ -69,7 +69,7 @@ class Tier(ClaimFiles):
     def __init__(self, cfg: TierConfig) -> None:
         self.name, self.root, self.budget = cfg.name, Path(cfg.path), int(cfg.budget)
         self.dir = self.root / "shards"
-        self.locks = self.root / "locks"
+        super().__init__(self.root / "locks")
         self.problem: str | None = None   # why the tier is unusable, for status; None when healthy
         self._problem_until = 0.0
         self._untrusted: str | None = None

@@ -52,9 +52,6 @@ KNOWN: dict[str, str] = {
     "Datasets": "daemon/datasets.py",
     "PassedDescriptors": "daemon/passed.py",
     "ServiceState": "daemon/service_state.py",
-    # kvdata/tiers: Tier's claim-file methods over its `locks`, and Home's `where` over the `url` its homes set
-    "ClaimFiles": "kvdata/tiers/claim_files.py",
-    "Home": "kvdata/tiers/home_base.py",
 }
 
 
