@@ -2,7 +2,7 @@
 GPUs reading from them, stepped in ticks of `dt` seconds.
 
 What to stage, what to evict and what to read by record is decided by the real
-kvdata.tiers.policy, called as kvdata.tiers.engine.Engine calls it (nothing of the policy is
+kvdata.tiers.policy, called as kvdata.tiers.staging.Engine calls it (nothing of the policy is
 re-implemented here):
 
 - at every announce (an epoch start) and every `keep_ttl` seconds of a pass (Engine.keep_set's
@@ -13,9 +13,9 @@ re-implemented here):
 - every tick in which a reader moved or a copy landed: `policy.plan_tier(budget, sizes,
   resident, demands, in_use=held, lookahead=policy.prefetch_depth(...))`, and the engine's own
   loop over its stage list (skip bypassed and in-flight shards, at most 2 x workers jobs queued
-  or running: Engine._replan_once);
+  or running: Engine._plan_pass);
 - when a staging job starts and the tier is full: `policy.plan_eviction(budget - in flight,
-  resident, demands, incoming, in_use=held)` (Engine._evict_until_fits walks the same order);
+  resident, demands, incoming, in_use=held)` (TierStager.evict_until_fits walks the same order);
   no room at all: a shard a reader waits for becomes a private copy (fetched, not kept), a
   prefetch is dropped (Engine._stage_now / NoRoomError).
 
@@ -566,7 +566,7 @@ class Node:
         return g_used
 
     def _plan(self, e: Engine) -> None:
-        """Engine._replan_once: policy.plan_tier, then stage what is not bypassed or in flight,
+        """Engine._plan_pass: policy.plan_tier, then stage what is not bypassed or in flight,
         at most 2 x workers jobs queued or running."""
         tier = e.tier
         demands = [r.demand() for r in e.readers]
@@ -605,7 +605,7 @@ class Node:
             e.running.append(j)
 
     def _room(self, tier: Tier, size: int) -> bool:
-        """Engine._evict_until_fits: victims in policy order (policy.plan_eviction), never a
+        """TierStager.evict_until_fits: victims in policy order (policy.plan_eviction), never a
         copy a reader holds; whether `size` more bytes then fit."""
         if tier.used + size <= tier.budget:
             return True

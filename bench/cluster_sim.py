@@ -59,7 +59,7 @@ DEFAULTS = [
     ("first byte 30 ms", "issue 14 (20-50 ms in-region); AWS quotes 100-200 ms for small objects end to end"),
     ("90 MB/s per connection", "an assumption: the single-stream S3 rate commonly measured in-region "
      "(e.g. dvassallo/s3-benchmark); not published by AWS"),
-    ("8 MiB ranged GETs, 8 in flight per job, 3 jobs per Engine", "kvdata.tiers.engine.Engine defaults (part_size, "
+    ("8 MiB ranged GETs, 8 in flight per job, 3 jobs per Engine", "kvdata.tiers.staging.Engine defaults (part_size, "
      "parts_in_flight, workers); AWS recommends 8-16 MB byte ranges"),
     ("1 GB/s decompress + sha256 per staging job", "an assumption: one core's sha256 with SHA extensions "
      "(~1.5-2 GB/s) plus zstd of incompressible JPEG payloads"),

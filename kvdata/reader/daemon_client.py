@@ -39,7 +39,7 @@ KEEP_COPIES = 0
 AHEAD = 16                # shard files passed ahead of a reader (the daemon's prefetch lookahead)
 MODE_INTERVAL = 1.0       # seconds a dataset's read mode (shard-aware / random + resident set) is trusted
 # ... and the `whole` bits of a shard-aware dataset larger than the tiers: the keep set changes as the
-# pass goes (kvdata.tiers.engine.Engine.keep_set), and a reader a second behind it read shards by record
+# pass goes (kvdata.tiers.staging.keep_set), and a reader a second behind it read shards by record
 # that the daemon then staged whole, or asked whole for shards it no longer keeps (private copies)
 WHOLE_INTERVAL = KEEP_TTL
 RETRY_CODES = ("StaleManifest", "NotAllowed")  # answered by opening the dataset again, once
@@ -209,7 +209,7 @@ class DaemonStager:
         return self._engine().locate(self._home, entry)
 
     def wants_whole(self, entry: ShardEntry) -> bool:
-        """The daemon's policy for unannounced orders (kvdata.tiers.engine): a shard-aware
+        """The daemon's policy for unannounced orders (kvdata.tiers.staging): a shard-aware
         dataset's shards, and a random-order one's resident set (sha256 <= the threshold the
         daemon reports), are read whole; the rest record by record. While the daemon's tiers
         are congested (a shard a reader needed found no room lately), only shards with a copy
