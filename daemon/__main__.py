@@ -19,12 +19,12 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 from kvdata.config import Config, load_config
 from kvdata.errors import KVDataError
 from kvdata.protocol import socket_path
 
+from .messages import ReloadReply
 from .metrics import MetricsServer
 from .server import Server
 from .state import Service
@@ -69,10 +69,10 @@ class Daemon:
         self.config: Config = load_config(self.config_path)
         for line in secure_tiers(self.config):
             log.warning("tier directory made private: %s", line)
-        self.service = Service(self.config)
         nofile = raise_fd_limit()
         # passed descriptors the daemon may hold, leaving room for connections, tiers and pools
-        self.service.max_held_fds = max(64, min(4096, (nofile - self.config.daemon.max_connections - 256) // 2))
+        max_held = max(64, min(4096, (nofile - self.config.daemon.max_connections - 256) // 2))
+        self.service = Service(self.config, max_held_fds=max_held)
         self.sock = Path(args.socket) if args.socket else socket_path(self.config.daemon.socket, env={
             k: v for k, v in os.environ.items() if k != "KVDATA_SOCKET"})
         self.server = Server(self.service, self.sock, self.config.daemon.group, reload=self.reload,
@@ -82,7 +82,7 @@ class Daemon:
         self.stop_event: asyncio.Event | None = None
         self.watcher: Watcher | None = None
 
-    def reload(self) -> dict[str, Any]:
+    def reload(self) -> ReloadReply:
         try:
             cfg = load_config(self.config_path)
         except KVDataError as e:
@@ -90,7 +90,7 @@ class Daemon:
             raise
         result = self.service.reload(cfg)
         self.config = cfg
-        log.info("reloaded config: tiers %s", ", ".join(result["tiers"]))
+        log.info("reloaded config: tiers %s", ", ".join(result.tiers))
         sd_notify("STATUS=reloaded config")
         return result
 
@@ -141,7 +141,7 @@ class Daemon:
     def _on_dataset_change(self, location: str) -> None:
         try:
             ds = self.service.open_dataset(location, refresh=True)
-            log.info("dataset %s changed at home: now generation %s", location, ds.manifest["generation"])
+            log.info("dataset %s changed at home: now generation %s", location, ds.manifest.generation)
         except KVDataError as e:
             log.warning("dataset %s changed at home but cannot be read: %s", location, e)
 

@@ -1,56 +1,47 @@
-"""Descriptors clients pass to kvdatad (a part of kvdata_daemon.state.Service): one request's
-descriptors (Passed), a client's shard files held within bounds, the `ahead` files a request
-passes, the proof an unprivileged peer holds a shard's content before it gets a copy, and a
-request's files closed once its staging jobs end (docs/SECURITY.md).
+"""The shard files clients pass to kvdatad (PassedDescriptors): a request's files held within
+bounds (per dataset and connection, and over all connections), the proof an unprivileged peer
+holds a shard's content before it gets a copy, and a request's files closed once its staging
+jobs end (docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 from kvdata.errors import BadRequest, NotAllowed, RemoteError
-from kvdata.protocol import MAX_FDS, SHARD_KINDS, close_fds
-from kvdata.tiers import ShardEntry
+from kvdata.format import ShardEntry
+from kvdata.protocol import SHARD_KINDS
 from kvdata.tiers.fetch import content_matches
 from kvdata.tiers.homes import Home, PassedFiles
 
-from .service_state import OpenDataset, ServiceState
+from .clients import Clients
+from .datasets import OpenDataset
+from .messages import Passed, ShardFile
 
 HELD_PER_DATASET = 32    # descriptors of one dataset a connection's requests leave with the daemon (LRU)
 PROOFS = 65536           # file identities remembered as holding a shard's content
+MAX_HELD = 4096          # descriptors clients passed that the daemon keeps, over all connections (by default)
 
 
-class Passed:
-    """The descriptors that came with one request: a handler takes what it keeps, the
-    server closes whatever is left after the reply."""
+class PassedDescriptors:
+    """The files `clients`' requests passed: at most `max_held` kept over all connections."""
 
-    def __init__(self, fds: list[int]) -> None:
-        self._fds = list(fds)
+    def __init__(self, clients: Clients, max_held: int = MAX_HELD) -> None:
+        self._clients = clients
+        self._max_held = max_held
+        self._lock = threading.Lock()
+        self._proofs: OrderedDict[tuple[int, int], tuple[int, int, int, str, str]] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def take(self) -> int:
-        return self._fds.pop(0)
-
-    def close(self) -> None:
-        close_fds(self._fds)
-        self._fds = []
-
-
-class PassedDescriptors(ServiceState):
-    """Service's handling of the shard files clients pass."""
-
-    def _hold(self, cid: int | None, home: PassedFiles, entry: ShardEntry, fd: int, kind: Any) -> None:
+    def hold(self, home: PassedFiles, entry: ShardEntry, fd: int, kind: str | None) -> None:
         """Keep a shard file a client passed (checked by PassedFiles.add), within the bounds."""
-        if kind not in SHARD_KINDS or (kind == "zst" and entry.zst is None):
+        if kind is None or kind not in SHARD_KINDS or (kind == "zst" and entry.zst is None):
             os.close(fd)
             raise BadRequest(f"kind must be one of {', '.join(SHARD_KINDS)} (zst only for a shard with a .zst copy)")
-        if self._held_total() >= self.max_held_fds:
+        if self._clients.held_files() >= self._max_held:
             os.close(fd)
             raise NotAllowed("kvdatad holds as many passed files as it may; the reader stages this shard itself")
         size = entry.bytes if kind == "mdb" else entry.zst.bytes  # type: ignore[union-attr]
@@ -60,32 +51,20 @@ class PassedDescriptors(ServiceState):
             raise BadRequest(f"shard {entry.id} of {home.url}: {e}") from None
         home.drop_oldest(HELD_PER_DATASET)
 
-    def _held_total(self) -> int:
-        with self._lock:
-            homes = [h for c in self.clients.values() for h in c.passed.values()]
-        return sum(len(h) for h in homes)
-
-    def _take_files(self, cid: int | None, ds: OpenDataset, home: Home, msg: dict[str, Any],
-                    field_name: str = "ahead") -> list[ShardEntry]:
-        """Shard files passed as `ahead` [[id, kind], ...] with one descriptor each; the entries."""
-        items = msg.get(field_name)
-        passed: Passed = msg["_fds"]
-        if items is None:
+    def take_files(self, ds: OpenDataset, home: Home, ahead: tuple[ShardFile, ...] | None,
+                   fds: Passed) -> list[ShardEntry]:
+        """The shard files a request passed as `ahead`, one descriptor each, held in `home` if the
+        dataset is read from passed files there (else not needed: closed after the reply); their entries."""
+        if ahead is None or not isinstance(home, PassedFiles):
             return []
-        if not isinstance(items, list) or len(items) != len(passed) or len(items) > MAX_FDS:
-            raise BadRequest(f"{field_name} must be a list of [shard id, kind] pairs, one per descriptor passed")
-        if not isinstance(home, PassedFiles):
-            return []  # a peer the daemon reads paths for: its descriptors are not needed (closed after the reply)
         out = []
-        for item in items:
-            if not isinstance(item, list) or len(item) != 2:
-                raise BadRequest(f"{field_name} must be a list of [shard id, kind] pairs")
-            e = self._entry(ds, item[0])
-            self._hold(cid, home, e, passed.take(), item[1])
+        for item in ahead:
+            e = ds.entry(item.shard)
+            self.hold(home, e, fds.take(), item.kind)
             out.append(e)
         return out
 
-    def _prove(self, home: PassedFiles, entry: ShardEntry) -> None:
+    def prove(self, home: PassedFiles, entry: ShardEntry) -> None:
         """An unprivileged peer gets a copy only of content it holds: the copy was made from
         its own passed file, or that file hashes to the shard's sha256 (remembered by the
         file's identity, so a dataset's next epoch costs nothing)."""

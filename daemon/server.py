@@ -20,6 +20,7 @@ client can slow only itself (docs/SECURITY.md):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import grp
 import itertools
@@ -37,7 +38,7 @@ from typing import Any
 from kvdata.errors import BadRequest, KVDataError, NotAllowed, ProtocolError
 from kvdata.protocol import HEADER, MAX_FDS, MAX_FRAME, TYPES, close_fds, decode_body, encode, recv_with_fds
 
-from .passed import Passed
+from .messages import Hello, Passed, Progress, Release, Reload, Reply, Request, Stage, StageReply, Status, decode
 from .state import Service
 from .trust import Peer, peer_of
 
@@ -45,7 +46,7 @@ log = logging.getLogger("kvdatad")
 DRAIN_TIMEOUT = 30.0
 FRAME_TIMEOUT = 30.0        # seconds a client may take to send the rest of a frame it started
 STATUS_TIMEOUT = 10.0
-ON_LOOP = {"hello", "release"}   # no disk, no home: answered on the loop
+ON_LOOP = (Hello, Release)   # no disk, no home: answered on the loop (and a progress passing no files)
 PER_CLIENT_BLOCKING = 4     # a client's slow requests (a hung NFS home...) cannot take the whole pool
 PER_UID_BLOCKING = 8        # ... nor a uid's many connections
 POOL_THREADS = 32
@@ -130,7 +131,7 @@ class Conn:
 
 class Server:
     def __init__(self, service: Service, path: Path, group: str | None = None,
-                 reload: Callable[[], dict[str, Any]] | None = None, all_users: bool = False) -> None:
+                 reload: Callable[[], Reply] | None = None, all_users: bool = False) -> None:
         self.service, self.path, self.group, self._reload = service, Path(path), group, reload
         self.all_users = all_users
         self._pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="kvdatad-req")
@@ -274,7 +275,7 @@ class Server:
                     return
                 (n,) = HEADER.unpack(head)
                 if n > MAX_FRAME:  # refused from its header: the body is never read (nor can it be skipped)
-                    self.service.bad_requests += 1
+                    self.service.counters.bad_requests += 1
                     await asyncio.wait_for(conn.send(encode({
                         "id": None, "ok": False, "code": "frame",
                         "error": f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit"})), DRAIN_TIMEOUT)
@@ -306,7 +307,7 @@ class Server:
             conn.close()
 
     async def _dispatch(self, cid: int, peer: Peer, body: bytes, conn: Conn) -> tuple[dict[str, Any], list[int]]:
-        self.service.requests += 1
+        self.service.counters.requests += 1
         rid: Any = None
         passed = Passed([])
         try:
@@ -329,46 +330,42 @@ class Server:
                 raise BadRequest(f"the frame says {nfds} descriptors came with it; fewer did")
             passed = Passed(conn.fds[:nfds])
             del conn.fds[:nfds]
-            msg["_fds"] = passed
             t = msg.get("t")
             if t not in TYPES:
                 raise BadRequest(f"unknown message type {t!r}; known: {', '.join(TYPES)}")
-            result = await self._handle(cid, peer, t, msg)
-            fds = result.pop("_fds", [])
-            return {"id": rid, "ok": True, **result}, fds
+            reply = await self._handle(cid, peer, decode(t, msg, passed, peer.privileged))
+            return {"id": rid, "ok": True, **reply.wire()}, reply.descriptors()
         except (BadRequest, ProtocolError, KVDataError) as e:
-            self.service.bad_requests += 1
+            self.service.counters.bad_requests += 1
             first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             return {"id": rid, "ok": False, "code": type(e).__name__, "error": first_line}, []
         except Exception as e:  # never let one request take the daemon down
             log.exception("request failed")
-            self.service.bad_requests += 1
+            self.service.counters.bad_requests += 1
             return {"id": rid, "ok": False, "code": "internal", "error": f"internal error: {e.__class__.__name__}: {e}"}, []
         finally:
             passed.close()
 
-    async def _handle(self, cid: int, peer: Peer, t: str, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _handle(self, cid: int, peer: Peer, req: Request) -> Reply:
         svc = self.service
-        if t in ON_LOOP or (t == "progress" and msg.get("ahead") is None):
-            result: dict[str, Any] = getattr(svc, t)(cid, msg)
-            return result
-        if t == "status":
+        if isinstance(req, ON_LOOP) or (isinstance(req, Progress) and req.prefetch is None):
+            return svc.handle(cid, req)
+        if isinstance(req, Status):
             async with self._limits.get(cid) or asyncio.Semaphore(1):
                 loop = asyncio.get_running_loop()
-                return await self._bounded(loop.run_in_executor(self._status_pool, svc.status, cid, msg), STATUS_TIMEOUT)
-        if t == "reload":
+                return await self._bounded(loop.run_in_executor(self._status_pool, svc.handle, cid, req),
+                                           STATUS_TIMEOUT)
+        if isinstance(req, Reload):
             if self._reload is None:
                 raise BadRequest("this daemon cannot reload")
             if not peer.privileged:
                 raise NotAllowed("only root or kvdatad's own user may reload it (or send SIGHUP)")
             return await self._blocking(cid, peer, self._reload)
-        if t == "stage":
-            result, futures = await self._blocking(cid, peer, svc.stage, cid, msg)
-            if msg.get("wait"):
-                await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-                result["queued"] = 0
-            return result
-        return await self._blocking(cid, peer, getattr(svc, t), cid, msg)
+        reply: Reply = await self._blocking(cid, peer, svc.handle, cid, req)
+        if isinstance(req, Stage) and req.wait and isinstance(reply, StageReply):
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in reply.jobs))
+            reply = dataclasses.replace(reply, queued=0)
+        return reply
 
     async def _blocking(self, cid: int, peer: Peer, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) in the pool, within the connection's and the uid's share of it, answered
@@ -411,7 +408,5 @@ def _close_late_reply(fut: asyncio.Future[Any]) -> None:
     if fut.cancelled() or fut.exception() is not None:
         return
     result = fut.result()
-    if isinstance(result, tuple):
-        result = result[0]
-    if isinstance(result, dict):
-        close_fds(result.get("_fds", []))
+    if isinstance(result, Reply):
+        close_fds(result.descriptors())

@@ -1,6 +1,7 @@
 """Who is asking, and whose directories these are: the daemon's side of docs/SECURITY.md.
 
-- `Peer`: a connection's uid/gid/pid from SO_PEERCRED (the kernel's word, not the client's).
+- `Peer`: a connection's uid/gid/pid from SO_PEERCRED (the kernel's word, not the client's);
+  `INTERNAL`, the daemon itself.
 - `secure_tiers`: the daemon owns its tier directories. At start (and on reload) each
   tier root and its subdirectories are created 0700 if missing; one owned by another uid,
   or under a directory another user may rename it out of, refuses the start with one
@@ -36,6 +37,9 @@ class Peer:
     gid: int
     pid: int
     privileged: bool  # root or the daemon's own uid: may name local paths, sees every client and dataset
+
+
+INTERNAL = Peer(0, 0, 0, True)  # the daemon itself (status for metrics, a Service used without a socket)
 
 
 def peer_of(sock: socket.socket) -> Peer:
