@@ -41,29 +41,29 @@ from kvdata.tiers.staging import Engine
 from .clients import Clients
 from .datasets import Datasets, OpenDataset, passed_key
 from .messages import (
-    Announce,
+    AnnounceRequest,
     Done,
-    Evict,
     EvictReply,
-    Hello,
+    EvictRequest,
     HelloReply,
-    Need,
+    HelloRequest,
     NeedReply,
-    Open,
+    NeedRequest,
     OpenReply,
-    Progress,
+    OpenRequest,
+    ProgressRequest,
     ReaderAt,
     ReadMode,
-    Release,
-    Reload,
+    ReleaseRequest,
+    ReloadRequest,
     Reply,
     Request,
-    Stage,
     StageReply,
-    Status,
+    StageRequest,
     StatusReply,
-    Want,
+    StatusRequest,
     WantReply,
+    WantRequest,
     is_url,
 )
 from .passed import PassedDescriptors, close_when_done
@@ -72,7 +72,7 @@ OPEN_ATTEMPTS = 3        # a staged copy may be evicted between locate and open
 
 
 @dataclass
-class Counters:
+class RequestCounts:
     """Requests the socket loop handled, and those it refused (status, metrics)."""
 
     requests: int = 0
@@ -89,7 +89,7 @@ class Handlers:
     given the connection id and its decoded request; `config` names the tiers a request may name."""
 
     def __init__(self, config: Config, engine: Engine, clients: Clients, datasets: Datasets,
-                 passed: PassedDescriptors, counters: Counters, started: float) -> None:
+                 passed: PassedDescriptors, counters: RequestCounts, started: float) -> None:
         self._config = config
         self._engine = engine
         self._clients = clients
@@ -103,37 +103,37 @@ class Handlers:
 
     def handle(self, cid: int, req: Request) -> Reply:
         match req:
-            case Hello():
+            case HelloRequest():
                 return self.hello(cid, req)
-            case Open():
+            case OpenRequest():
                 return self.open(cid, req)
-            case Announce():
+            case AnnounceRequest():
                 return self.announce(cid, req)
-            case Progress():
+            case ProgressRequest():
                 return self.progress(cid, req)
-            case Need():
+            case NeedRequest():
                 return self.need(cid, req)
-            case Want():
+            case WantRequest():
                 return self.want(cid, req)
-            case Release():
+            case ReleaseRequest():
                 return self.release(cid, req)
-            case Stage():
+            case StageRequest():
                 return self.stage(cid, req)
-            case Evict():
+            case EvictRequest():
                 return self.evict(cid, req)
-            case Status():
+            case StatusRequest():
                 return self.status(cid)
-            case Reload():
+            case ReloadRequest():
                 raise BadRequest("this daemon cannot reload")  # (the server reloads a daemon that can)
 
     # ------------------------------------------------------------ handlers
 
-    def hello(self, cid: int, req: Hello) -> HelloReply:
+    def hello(self, cid: int, req: HelloRequest) -> HelloReply:
         st = self._clients.get(cid)
         self._clients.said_pid(cid, req.pid)
         return HelloReply(PROTOCOL_VERSION, os.getpid(), st.peer.uid, st.peer.privileged)
 
-    def open(self, cid: int, req: Open) -> OpenReply:
+    def open(self, cid: int, req: OpenRequest) -> OpenReply:
         loc = req.dataset
         self._datasets.check_allowed(loc)
         st = self._clients.get(cid)
@@ -154,7 +154,7 @@ class Handlers:
             files = tuple(open_mirror_files(ds.root))
         return OpenReply(str(ds.root), ds.manifest.generation, len(ds.manifest.shards), files)
 
-    def announce(self, cid: int, req: Announce) -> Done:
+    def announce(self, cid: int, req: AnnounceRequest) -> Done:
         ds, home = self._dataset(cid, req.dataset)
         reader = reader_key(cid, req.reader)
         entries = [ds.entry(s) for s in req.shards]
@@ -163,7 +163,7 @@ class Handlers:
         self._engine.announce(reader, home, entries, req.position, req.next_start)
         return Done()
 
-    def progress(self, cid: int, req: Progress) -> Done:
+    def progress(self, cid: int, req: ProgressRequest) -> Done:
         reader = reader_key(cid, req.reader)
         if req.prefetch is not None:  # the next shards' files, for prefetching (run off the loop)
             ds, home = self._dataset(cid, req.prefetch.dataset)
@@ -173,13 +173,13 @@ class Handlers:
             self._clients.reported_stall(cid, req.stall)
         return Done()
 
-    def release(self, cid: int, req: Release) -> Done:
+    def release(self, cid: int, req: ReleaseRequest) -> Done:
         reader = reader_key(cid, req.reader)
         self._clients.drop_reader(cid, reader)
         self._engine.release(reader)
         return Done()
 
-    def need(self, cid: int, req: Need) -> NeedReply:
+    def need(self, cid: int, req: NeedRequest) -> NeedReply:
         """Blocking: returns once a verified copy exists (run it off the socket loop), with a
         read-only descriptor of it.
 
@@ -222,7 +222,7 @@ class Handlers:
         # a private copy while the tiers are congested: the reader asks how to read again (see _mode)
         return NeedReply(str(path), staged, fd, congested=not staged and self._engine.congested())
 
-    def want(self, cid: int, req: Want) -> WantReply:
+    def want(self, cid: int, req: WantRequest) -> WantReply:
         """A reader's batch needs these shards now: start staging them together (not awaited;
         its `need`s then wait for the slowest, not the sum)."""
         ds, home = self._dataset(cid, req.dataset)
@@ -245,7 +245,7 @@ class Handlers:
             return WantReply(0, self._mode(ds))
         return WantReply(len(entries))
 
-    def stage(self, cid: int, req: Stage) -> StageReply:
+    def stage(self, cid: int, req: StageRequest) -> StageReply:
         ds, home = self._dataset(cid, req.dataset)
         if req.tier is not None:
             self._config.tier(req.tier)
@@ -267,7 +267,7 @@ class Handlers:
             futures = [self._engine.stage(home, e, req.tier) for e in ds.manifest.shards]
         return StageReply(len(futures), sum(not f.done() for f in futures), tuple(futures))
 
-    def evict(self, cid: int, req: Evict) -> EvictReply:
+    def evict(self, cid: int, req: EvictRequest) -> EvictReply:
         ds, _home = self._dataset(cid, req.dataset)
         if req.tier is not None:
             self._config.tier(req.tier)

@@ -159,18 +159,18 @@ def _catch_up(value: Any) -> tuple[ReaderAt, ...]:
 
 
 @dataclass(frozen=True)
-class Hello:
+class HelloRequest:
     pid: int | None  # the client's pid, if it sent an integer (the kernel's, SO_PEERCRED, comes first)
 
 
 @dataclass(frozen=True)
-class Open:
+class OpenRequest:
     dataset: str
     fds: Passed  # the manifest, passed by a reader who may not name local paths
 
 
 @dataclass(frozen=True)
-class Announce:
+class AnnounceRequest:
     dataset: str
     reader: str
     shards: tuple[int | None, ...]  # the order, by shard id
@@ -189,7 +189,7 @@ class Prefetch:
 
 
 @dataclass(frozen=True)
-class Progress:
+class ProgressRequest:
     reader: str
     position: int
     stall: float | None  # seconds the client waited for shards in all (None: absent or not a sane number)
@@ -198,7 +198,7 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class Need:
+class NeedRequest:
     dataset: str
     shard: int | None
     shard_named: str  # the shard as the request gave it (said when it is not in the reader's manifest)
@@ -215,7 +215,7 @@ class WantedShard:
 
 
 @dataclass(frozen=True)
-class Want:
+class WantRequest:
     dataset: str
     shards: tuple[WantedShard, ...]  # none: the request asks how the dataset is read
     kinds: tuple[str | None, ...] | None  # of the descriptors passed, for the first shards in order
@@ -224,12 +224,12 @@ class Want:
 
 
 @dataclass(frozen=True)
-class Release:
+class ReleaseRequest:
     reader: str
 
 
 @dataclass(frozen=True)
-class Stage:
+class StageRequest:
     dataset: str
     tier: str | None
     wait: bool
@@ -238,36 +238,37 @@ class Stage:
 
 
 @dataclass(frozen=True)
-class Evict:
+class EvictRequest:
     dataset: str
     tier: str | None
 
 
 @dataclass(frozen=True)
-class Status:
+class StatusRequest:
     pass
 
 
 @dataclass(frozen=True)
-class Reload:
+class ReloadRequest:
     pass
 
 
-Request = Hello | Open | Announce | Progress | Need | Want | Release | Stage | Evict | Status | Reload
+Request = (HelloRequest | OpenRequest | AnnounceRequest | ProgressRequest | NeedRequest | WantRequest | ReleaseRequest
+           | StageRequest | EvictRequest | StatusRequest | ReloadRequest)
 
 
-def _hello(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Hello:
+def _hello(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> HelloRequest:
     pid = msg.get("pid")
     if msg.get("version") != PROTOCOL_VERSION:
         raise BadRequest(f"protocol version {msg.get('version')!r} is not {PROTOCOL_VERSION}; upgrade kvdata")
-    return Hello(pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
+    return HelloRequest(pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
 
 
-def _open(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Open:
-    return Open(check_location(msg.get("dataset")), fds)
+def _open(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> OpenRequest:
+    return OpenRequest(check_location(msg.get("dataset")), fds)
 
 
-def _announce(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Announce:
+def _announce(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> AnnounceRequest:
     dataset = check_location(msg.get("dataset"))
     reader = _reader(msg.get("reader"))
     shards = msg.get("shards")
@@ -279,10 +280,10 @@ def _announce(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Announc
         raise BadRequest(f"next_start must be an integer index into shards (0..{len(shards)}), "
                          f"not {next_start!r}")
     ahead = _shard_files(msg.get("ahead"), fds, _reads_passed(dataset, may_name_paths))
-    return Announce(dataset, reader, tuple(_shard_id(s) for s in shards), position, next_start, ahead, fds)
+    return AnnounceRequest(dataset, reader, tuple(_shard_id(s) for s in shards), position, next_start, ahead, fds)
 
 
-def _progress(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Progress:
+def _progress(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> ProgressRequest:
     reader = _reader(msg.get("reader"))
     position = _position(msg.get("position", 0))
     prefetch = None
@@ -294,10 +295,10 @@ def _progress(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Progres
     stall = msg.get("stall")
     if not isinstance(stall, (int, float)) or isinstance(stall, bool) or not 0 <= stall < 1e9:
         stall = None  # (not a sane number of seconds: ignored)
-    return Progress(reader, position, None if stall is None else float(stall), prefetch, fds)
+    return ProgressRequest(reader, position, None if stall is None else float(stall), prefetch, fds)
 
 
-def _need(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Need:
+def _need(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> NeedRequest:
     dataset = check_location(msg.get("dataset"))
     catch_up = _catch_up(msg.get("progress"))
     sha256 = msg.get("sha256")
@@ -305,10 +306,10 @@ def _need(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Need:
         raise BadRequest("sha256 must be 64 lowercase hex digits")
     shard = msg.get("shard")
     named = str(shard) if sha256 is not None else ""  # (said only of a request that names the sha256)
-    return Need(dataset, _shard_id(shard), named, sha256, _kind(msg.get("kind", "mdb")), catch_up, fds)
+    return NeedRequest(dataset, _shard_id(shard), named, sha256, _kind(msg.get("kind", "mdb")), catch_up, fds)
 
 
-def _want(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Want:
+def _want(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> WantRequest:
     dataset = check_location(msg.get("dataset"))
     catch_up = _catch_up(msg.get("progress"))
     shards = msg.get("shards")
@@ -322,31 +323,31 @@ def _want(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Want:
         if not isinstance(item, list) or len(item) != 2:
             raise BadRequest("shards must be a list of [id, sha256] pairs")
         wanted.append(WantedShard(_shard_id(item[0]), item[1] if isinstance(item[1], str) else None))
-    return Want(dataset, tuple(wanted), None if kinds is None else tuple(_kind(k) for k in kinds), catch_up, fds)
+    return WantRequest(dataset, tuple(wanted), None if kinds is None else tuple(_kind(k) for k in kinds), catch_up, fds)
 
 
-def _release(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Release:
-    return Release(_reader(msg.get("reader")))
+def _release(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> ReleaseRequest:
+    return ReleaseRequest(_reader(msg.get("reader")))
 
 
-def _stage(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Stage:
+def _stage(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> StageRequest:
     dataset = check_location(msg.get("dataset"))
     tier = _tier(msg.get("tier"))
     reads_passed = _reads_passed(dataset, may_name_paths)
     ahead = _shard_files(msg.get("ahead"), fds, True) if reads_passed else None
-    return Stage(dataset, tier, bool(msg.get("wait")), ahead, fds)
+    return StageRequest(dataset, tier, bool(msg.get("wait")), ahead, fds)
 
 
-def _evict(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Evict:
-    return Evict(check_location(msg.get("dataset")), _tier(msg.get("tier")))
+def _evict(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> EvictRequest:
+    return EvictRequest(check_location(msg.get("dataset")), _tier(msg.get("tier")))
 
 
-def _status(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Status:
-    return Status()
+def _status(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> StatusRequest:
+    return StatusRequest()
 
 
-def _reload(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> Reload:
-    return Reload()
+def _reload(msg: dict[str, Any], fds: Passed, may_name_paths: bool) -> ReloadRequest:
+    return ReloadRequest()
 
 
 _DECODERS: dict[str, Callable[[dict[str, Any], Passed, bool], Request]] = {

@@ -38,7 +38,19 @@ from typing import Any
 from kvdata.errors import BadRequest, KVDataError, NotAllowed, ProtocolError
 from kvdata.protocol import HEADER, MAX_FDS, MAX_FRAME, TYPES, close_fds, decode_body, encode, recv_with_fds
 
-from .messages import Hello, Passed, Progress, Release, Reload, Reply, Request, Stage, StageReply, Status, decode
+from .messages import (
+    HelloRequest,
+    Passed,
+    ProgressRequest,
+    ReleaseRequest,
+    ReloadRequest,
+    Reply,
+    Request,
+    StageReply,
+    StageRequest,
+    StatusRequest,
+    decode,
+)
 from .state import Service
 from .trust import Peer, peer_of
 
@@ -46,7 +58,7 @@ log = logging.getLogger("kvdatad")
 DRAIN_TIMEOUT = 30.0
 FRAME_TIMEOUT = 30.0        # seconds a client may take to send the rest of a frame it started
 STATUS_TIMEOUT = 10.0
-ON_LOOP = (Hello, Release)   # no disk, no home: answered on the loop (and a progress passing no files)
+ON_LOOP = (HelloRequest, ReleaseRequest)   # no disk, no home: answered on the loop (and a progress passing no files)
 PER_CLIENT_BLOCKING = 4     # a client's slow requests (a hung NFS home...) cannot take the whole pool
 PER_UID_BLOCKING = 8        # ... nor a uid's many connections
 POOL_THREADS = 32
@@ -348,21 +360,21 @@ class Server:
 
     async def _handle(self, cid: int, peer: Peer, req: Request) -> Reply:
         svc = self.service
-        if isinstance(req, ON_LOOP) or (isinstance(req, Progress) and req.prefetch is None):
+        if isinstance(req, ON_LOOP) or (isinstance(req, ProgressRequest) and req.prefetch is None):
             return svc.handle(cid, req)
-        if isinstance(req, Status):
+        if isinstance(req, StatusRequest):
             async with self._limits.get(cid) or asyncio.Semaphore(1):
                 loop = asyncio.get_running_loop()
                 return await self._bounded(loop.run_in_executor(self._status_pool, svc.handle, cid, req),
                                            STATUS_TIMEOUT)
-        if isinstance(req, Reload):
+        if isinstance(req, ReloadRequest):
             if self._reload is None:
                 raise BadRequest("this daemon cannot reload")
             if not peer.privileged:
                 raise NotAllowed("only root or kvdatad's own user may reload it (or send SIGHUP)")
             return await self._blocking(cid, peer, self._reload)
         reply: Reply = await self._blocking(cid, peer, svc.handle, cid, req)
-        if isinstance(req, Stage) and req.wait and isinstance(reply, StageReply):
+        if isinstance(req, StageRequest) and req.wait and isinstance(reply, StageReply):
             await asyncio.gather(*(asyncio.wrap_future(f) for f in reply.jobs))
             reply = dataclasses.replace(reply, queued=0)
         return reply

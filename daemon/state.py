@@ -20,7 +20,7 @@ from kvdata.tiers.staging import Engine
 
 from .clients import Clients
 from .datasets import Datasets, OpenDataset
-from .handlers import Counters, Handlers
+from .handlers import Handlers, RequestCounts
 from .messages import ReloadReply, Reply, Request
 from .passed import MAX_HELD, PassedDescriptors
 from .trust import INTERNAL, Peer, secure_tiers
@@ -36,7 +36,7 @@ class Service:
         self.config = config
         self.engine = Engine(config, verify_content=True, probe_open=True)  # (it never forks)
         self.started = time.time()
-        self.counters = Counters()
+        self.counters = RequestCounts()
         self._clients = Clients()
         self._datasets = Datasets(config, self.engine)
         self._handlers = Handlers(config, self.engine, self._clients, self._datasets,

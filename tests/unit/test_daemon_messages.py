@@ -28,17 +28,17 @@ def dec(t: str, msg: dict[str, Any], nfds: int = 0, paths: bool = True) -> m.Req
 
 
 MINIMAL: dict[str, tuple[dict[str, Any], type]] = {
-    "hello": ({"version": PROTOCOL_VERSION}, m.Hello),
-    "open": ({"dataset": DS}, m.Open),
-    "announce": ({"dataset": DS, "reader": "r", "shards": []}, m.Announce),
-    "progress": ({"reader": "r"}, m.Progress),
-    "need": ({"dataset": DS, "shard": 0}, m.Need),
-    "want": ({"dataset": DS, "shards": []}, m.Want),
-    "release": ({"reader": "r"}, m.Release),
-    "stage": ({"dataset": DS}, m.Stage),
-    "evict": ({"dataset": DS}, m.Evict),
-    "status": ({}, m.Status),
-    "reload": ({}, m.Reload),
+    "hello": ({"version": PROTOCOL_VERSION}, m.HelloRequest),
+    "open": ({"dataset": DS}, m.OpenRequest),
+    "announce": ({"dataset": DS, "reader": "r", "shards": []}, m.AnnounceRequest),
+    "progress": ({"reader": "r"}, m.ProgressRequest),
+    "need": ({"dataset": DS, "shard": 0}, m.NeedRequest),
+    "want": ({"dataset": DS, "shards": []}, m.WantRequest),
+    "release": ({"reader": "r"}, m.ReleaseRequest),
+    "stage": ({"dataset": DS}, m.StageRequest),
+    "evict": ({"dataset": DS}, m.EvictRequest),
+    "status": ({}, m.StatusRequest),
+    "reload": ({}, m.ReloadRequest),
 }
 
 
@@ -97,12 +97,12 @@ def test_what_the_handlers_check_against_their_state_is_decoded_leniently() -> N
     kind that is neither mdb nor zst is None (refused where its file would be held, and only there:
     a want's descriptor for a shard whose sha256 does not match is closed unread)."""
     a = dec("announce", {"dataset": DS, "reader": "r", "shards": [0, True, "1", None, 2**64]})
-    assert isinstance(a, m.Announce) and a.shards == (0, None, None, None, 2**64) and a.position == 0
+    assert isinstance(a, m.AnnounceRequest) and a.shards == (0, None, None, None, 2**64) and a.position == 0
     n = dec("need", {"dataset": DS, "shard": [0], "sha256": SHA})
-    assert isinstance(n, m.Need) and n.shard is None and n.shard_named == "[0]" and n.kind == "mdb"
-    assert isinstance(k := dec("need", {"dataset": DS, "shard": 3, "kind": 7}), m.Need) and k.kind is None
+    assert isinstance(n, m.NeedRequest) and n.shard is None and n.shard_named == "[0]" and n.kind == "mdb"
+    assert isinstance(k := dec("need", {"dataset": DS, "shard": 3, "kind": 7}), m.NeedRequest) and k.kind is None
     w = dec("want", {"dataset": DS, "shards": [[0, SHA], [1, 5]], "kinds": ["bogus"]}, nfds=1)
-    assert isinstance(w, m.Want)
+    assert isinstance(w, m.WantRequest)
     assert w.shards == (m.WantedShard(0, SHA), m.WantedShard(1, None)) and w.kinds == (None,)
 
 
@@ -111,21 +111,21 @@ def test_shard_files_are_read_only_where_the_daemon_reads_the_dataset_from_them(
     other peer's descriptors are not needed (closed after the reply), its items not looked at."""
     msg = {"dataset": DS, "reader": "r", "shards": [0, 1], "ahead": [[1, "zst"], ["x"]]}
     a = dec("announce", msg, nfds=2, paths=True)
-    assert isinstance(a, m.Announce) and a.ahead == ()
+    assert isinstance(a, m.AnnounceRequest) and a.ahead == ()
     url = dec("announce", {**msg, "dataset": "s3://bucket/ds"}, nfds=2, paths=False)
-    assert isinstance(url, m.Announce) and url.ahead == ()
+    assert isinstance(url, m.AnnounceRequest) and url.ahead == ()
     with pytest.raises(BadRequest, match=r"^ahead must be a list of \[shard id, kind\] pairs$"):
         dec("announce", msg, nfds=2, paths=False)
     ok = dec("announce", {**msg, "ahead": [[1, "zst"], [True, "x"]]}, nfds=2, paths=False)
-    assert isinstance(ok, m.Announce) and ok.ahead == (m.ShardFile(1, "zst"), m.ShardFile(None, None))
+    assert isinstance(ok, m.AnnounceRequest) and ok.ahead == (m.ShardFile(1, "zst"), m.ShardFile(None, None))
     s = dec("stage", {"dataset": DS, "ahead": 5, "wait": [1]}, paths=True)
-    assert isinstance(s, m.Stage) and s.ahead is None and s.wait is True
+    assert isinstance(s, m.StageRequest) and s.ahead is None and s.wait is True
     p = dec("progress", {"reader": "r", "position": 3, "ahead": [], "dataset": DS, "stall": True})
-    assert isinstance(p, m.Progress) and p.prefetch == m.Prefetch(DS, ()) and p.stall is None
+    assert isinstance(p, m.ProgressRequest) and p.prefetch == m.Prefetch(DS, ()) and p.stall is None
     q = dec("progress", {"reader": "r", "stall": 2})
-    assert isinstance(q, m.Progress) and q.stall == 2.0 and q.prefetch is None and q.position == 0
+    assert isinstance(q, m.ProgressRequest) and q.stall == 2.0 and q.prefetch is None and q.position == 0
     big = dec("stage", {"dataset": DS, "ahead": [[0, "mdb"]] * (MAX_FDS + 1)}, nfds=MAX_FDS + 1, paths=True)
-    assert isinstance(big, m.Stage) and big.ahead is None  # (a privileged peer's stage never reads them)
+    assert isinstance(big, m.StageRequest) and big.ahead is None  # (a privileged peer's stage never reads them)
 
 
 def test_replies_put_the_handlers_fields_on_the_wire_in_the_same_order() -> None:
