@@ -48,7 +48,7 @@ from ..format.codec import file_sha256
 from ..format.manifest import ItemAccess
 from . import index as ix
 from .compact_checks import check_layout, checked_generation, writer_lock
-from .compact_plan import Piece, Plan, plan
+from .compact_plan import CompactionPlan, Piece, plan
 from .compact_values import CheckedValues
 from .generation import Generation, load_generation, read_manifest
 from .linking import link_or_copy
@@ -159,7 +159,7 @@ class _Job:
         slots = idx.samples["slot"][idx.samples["shard"] == idx.n_sealed].astype(np.int64).tolist()
         return dict(zip(slots, self.reader.tail_values(slots))) if slots else {}
 
-    def _plan(self) -> Plan:
+    def _plan(self) -> CompactionPlan:
         idx = self.gen.index
         shard, _slot, rec = idx.resolve(np.arange(idx.count, dtype=np.int64))  # bounds-checked
         lengths = np.zeros(idx.count, dtype=np.int64)

@@ -45,7 +45,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Plan:
+class CompactionPlan:
     pieces: tuple[Piece, ...]
     rewritten: np.ndarray      # old sealed shard ids not kept: their records are copied or dropped
     records_copied: int
@@ -62,7 +62,7 @@ class Plan:
 
 
 def plan(samples: np.ndarray, shard_records: np.ndarray, shard_bytes: np.ndarray, lengths: np.ndarray,
-         tail_records: int, shard_size: int) -> Plan:
+         tail_records: int, shard_size: int) -> CompactionPlan:
     """The compaction of one generation (see the module docstring).
 
     samples: the SAMPLE_DTYPE rows; shard_records / shard_bytes: per sealed shard; lengths: the
@@ -99,7 +99,7 @@ def plan(samples: np.ndarray, shard_records: np.ndarray, shard_bytes: np.ndarray
     rewritten = np.flatnonzero(~keep[:n_sealed])
     live_tail = int((shard == n_sealed).sum()) if n else 0
     dropped = int(np.asarray(shard_records, np.int64)[rewritten].sum()) + tail_records - copied
-    return Plan(tuple(pieces), rewritten, copied, dropped, tail_records - live_tail)
+    return CompactionPlan(tuple(pieces), rewritten, copied, dropped, tail_records - live_tail)
 
 
 def _whole_in_order(shard: np.ndarray, slot: np.ndarray, shard_records: np.ndarray) -> np.ndarray:

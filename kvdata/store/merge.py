@@ -51,7 +51,7 @@ __all__ = ["merge", "STAGING"]
 
 
 @dataclass
-class _Part:
+class _LocalPart:
     root: Path
     gen: Generation
 
@@ -112,12 +112,12 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
     return summary
 
 
-def _load(roots: list[Path]) -> list[_Part]:
+def _load(roots: list[Path]) -> list[_LocalPart]:
     """Each part's current generation."""
-    return [_Part(r, load_generation(r)) for r in roots]
+    return [_LocalPart(r, load_generation(r)) for r in roots]
 
 
-def _check(loaded: list[_Part]) -> MergePlan:
+def _check(loaded: list[_LocalPart]) -> MergePlan:
     """Everything that refuses a merge, before anything is written: the plan's checks
     (kvdata.store.merge_plan: keys, classes, each part's index) and each part's shard files."""
     plan = plan_merge([p.index() for p in loaded], lambda i, pairs: _lmdb_keys(loaded[i], pairs))
@@ -179,7 +179,7 @@ def _seal(root: Path) -> None:
         store.commit()
 
 
-def _lmdb_keys(p: _Part, pairs: Sequence[tuple[int, int]]) -> list[str]:
+def _lmdb_keys(p: _LocalPart, pairs: Sequence[tuple[int, int]]) -> list[str]:
     """The keys of a part's records at (shard, slot), read through LMDB: sealed shards from their
     files, records of its open tail (checked before a --seal) through a Reader's tail path."""
     by_shard: dict[int, list[int]] = {}
@@ -213,7 +213,7 @@ def _lmdb_keys(p: _Part, pairs: Sequence[tuple[int, int]]) -> list[str]:
     return values
 
 
-def _check_shard_files(p: _Part) -> None:
+def _check_shard_files(p: _LocalPart) -> None:
     """The part's shards/ and index/ are real directories (not links: --move deletes in them),
     and every shard (and cold copy) the part names is a regular file of the recorded size."""
     for sub in (names.SHARDS_DIR, names.INDEX_DIR):
@@ -241,7 +241,7 @@ def _check_shard_files(p: _Part) -> None:
 # ---------------------------------------------------------------- writing
 
 
-def _write(parts: list[_Part], dest: Path, plan: MergePlan, progress: bool | None) -> dict[str, Any]:
+def _write(parts: list[_LocalPart], dest: Path, plan: MergePlan, progress: bool | None) -> dict[str, Any]:
     created = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     own_lock_file = not os.path.lexists(dest / names.LOCK)
@@ -325,7 +325,7 @@ def _remove_stage(stage: Path) -> None:
     stage.rmdir()
 
 
-def _place_shards(parts: list[_Part], plan: MergePlan, shards_dir: Path, progress: bool | None) -> tuple[int, int]:
+def _place_shards(parts: list[_LocalPart], plan: MergePlan, shards_dir: Path, progress: bool | None) -> tuple[int, int]:
     """Each part's shards (and cold copies) under their merged names: hard links, or verified copies."""
     placed = merged_shards(plan)
     linked = copied = 0
@@ -352,7 +352,7 @@ def _place_shards(parts: list[_Part], plan: MergePlan, shards_dir: Path, progres
 # ---------------------------------------------------------------- --move
 
 
-def _remove_part(p: _Part) -> list[str]:
+def _remove_part(p: _LocalPart) -> list[str]:
     """After the commit: remove the files the part's manifest names (its manifest first, so a
     crash here leaves no dataset that looks whole); returns what is left (not removed)."""
     root = p.root

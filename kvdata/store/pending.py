@@ -16,7 +16,7 @@ from .. import format as fmt
 from ..format import ShardEntry
 from .sealing import Hasher
 
-Row = tuple[int, int, int]  # (shard id, slot, label) of one sample
+SampleRow = tuple[int, int, int]  # (shard id, slot, label) of one sample
 
 
 @dataclass
@@ -34,12 +34,12 @@ class Pending:
     new_label: array = field(default_factory=lambda: array("q"))
     new_hash: array = field(default_factory=lambda: array("Q"))
     new_alive: bytearray = field(default_factory=bytearray)
-    over: dict[int, Row] = field(default_factory=dict)       # committed position -> new row
-    deleted: set[int] = field(default_factory=set)           # committed positions
+    over: dict[int, SampleRow] = field(default_factory=dict)  # committed position -> new row
+    deleted: set[int] = field(default_factory=set)  # committed positions
     dirty: bool = False
     seal_requested: bool = False
 
-    def add(self, key: str, row: Row, key_hash: int) -> None:
+    def add(self, key: str, row: SampleRow, key_hash: int) -> None:
         """A new sample (its key not committed, not pending)."""
         self.new_keys[key] = len(self.new_slot)
         self.new_shard.append(row[0])
@@ -66,7 +66,7 @@ class Pending:
         return (len(self.new_shard) == len(self.new_label) == len(self.new_hash) == len(self.new_alive) == n
                 and (not self.new_keys or max(self.new_keys.values()) < n))
 
-    def set_row(self, i: int, row: Row) -> None:
+    def set_row(self, i: int, row: SampleRow) -> None:
         self.new_shard[i], self.new_slot[i], self.new_label[i] = row
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:
