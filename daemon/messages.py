@@ -8,7 +8,8 @@ refused ones get, are what they were when the handlers checked the maps themselv
 on the daemon's state stays with the handlers (handlers.py): a home allowed by the config, a
 dataset open for this uid, a shard id within its manifest (a field that is not an integer id is
 decoded as None, so that check refuses it with the manifest's range, as before), a passed file's
-kind against its shard, a tier name in the config.
+kind against its shard, a tier name in the config. (So a request wrong twice over, in a field and
+in what the daemon finds of its dataset, is told about the field: its dataset is not opened.)
 
 Which fields a request must carry can depend on who asks (docs/SECURITY.md): the shard files a
 request passes (`ahead`) are read only from a peer that may not name local paths, for a local
