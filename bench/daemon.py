@@ -500,7 +500,7 @@ def latency(a: argparse.Namespace, client: Any, homes: list[Path]) -> dict[str, 
 def engine_locate_latency(a: argparse.Namespace, tier: Path, budget: int, homes: list[Path]) -> dict[str, float]:
     """In-process Engine.locate of the same staged copies (what a reader without the daemon pays), for scale."""
     from kvdata.config import Config, TierConfig
-    from kvdata.tiers.homes import open_home
+    from kvdata.homes import open_home
     from kvdata.tiers.staging import Engine
 
     eng = Engine(Config(tiers=(TierConfig("bench", tier, budget),), stage_local=True), prefetch=False)

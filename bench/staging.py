@@ -122,7 +122,7 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
     import zstandard
 
     from kvdata.config import Config, TierConfig
-    from kvdata.tiers.homes import open_home
+    from kvdata.homes import open_home
     from kvdata.tiers.push import push
     from kvdata.tiers.staging import Engine
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdata.errors import BadRequest
-from kvdata.tiers.homes import PassedFiles
+from kvdata.homes.local import PassedFiles
 
 from .trust import INTERNAL, Peer
 

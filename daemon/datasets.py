@@ -12,7 +12,8 @@ from pathlib import Path
 from kvdata.config import Config
 from kvdata.errors import BadRequest, NotAllowed
 from kvdata.format import Manifest, ShardEntry
-from kvdata.tiers.homes import Home, PassedFiles, open_home
+from kvdata.homes import Home, open_home
+from kvdata.homes.local import PassedFiles
 from kvdata.tiers.mirror import cache_root, mirror, read_manifest
 from kvdata.tiers.staging import Engine
 

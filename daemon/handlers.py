@@ -7,7 +7,7 @@ the kernel names (SO_PEERCRED, see trust.py), following docs/SECURITY.md:
   stages it itself). A local path is opened by the daemon only for a privileged peer
   (root or the daemon's own uid, who could open it themselves); any other uid passes the
   descriptors it opened -- the manifest with `open`, each shard file with `need`/`want`/
-  `announce`/`stage` -- and the daemon reads only those (kvdata.tiers.homes.PassedFiles),
+  `announce`/`stage` -- and the daemon reads only those (kvdata.homes.local.PassedFiles),
   under a name private to that uid.
 - A copy staged from passed descriptors is verified by its full sha256; a copy that
   already exists is handed to an unprivileged peer only once that peer has proven it
@@ -32,9 +32,10 @@ from typing import Any
 from kvdata.config import Config
 from kvdata.errors import BadRequest, NotAllowed, RemoteError, StaleManifest
 from kvdata.format import ShardEntry
+from kvdata.homes import Home
+from kvdata.homes.local import PassedFiles
 from kvdata.protocol import PROTOCOL_VERSION, pack_flags
 from kvdata.tiers import policy
-from kvdata.tiers.homes import Home, PassedFiles
 from kvdata.tiers.mirror import manifest_from_fd, open_mirror_files
 from kvdata.tiers.staging import Engine
 

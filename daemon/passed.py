@@ -14,9 +14,10 @@ from pathlib import Path
 
 from kvdata.errors import BadRequest, NotAllowed, RemoteError
 from kvdata.format import ShardEntry
+from kvdata.homes import Home
+from kvdata.homes.local import PassedFiles
 from kvdata.protocol import SHARD_KINDS
 from kvdata.tiers.fetch import content_matches
-from kvdata.tiers.homes import Home, PassedFiles
 
 from .clients import Clients
 from .datasets import OpenDataset

@@ -31,7 +31,7 @@ def _location(dataset: str) -> str:
     """How the daemon names a dataset: a URL, or an absolute path."""
     from pathlib import Path
 
-    from ..tiers.homes import is_url
+    from ..homes import is_url
 
     return dataset if is_url(dataset) else str(Path(dataset).resolve())
 

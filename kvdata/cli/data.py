@@ -210,8 +210,8 @@ def said_if_being_built(dataset: str) -> Iterator[None]:
 
 def being_built(dataset: str) -> str | None:
     """One line about the imports building `dataset` in parallel (importers.parts), or None."""
+    from ..homes import is_url
     from ..importers.parts import find_parts_dirs
-    from ..tiers.home_base import is_url
 
     if is_url(dataset):
         return None

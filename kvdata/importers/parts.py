@@ -41,8 +41,8 @@ from typing import Any
 from .._util.interrupts import interrupts_deferred
 from .._util.progress import progress as make_progress
 from ..errors import KVDataError
+from ..homes import is_url
 from ..store.merge import merge
-from ..tiers.home_base import is_url
 from .target import commit_begins
 
 POLL_SECONDS = 0.2

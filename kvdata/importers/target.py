@@ -44,9 +44,9 @@ import numpy as np
 from .._util.interrupts import interrupts_deferred
 from ..errors import ConfigError
 from ..format import names
+from ..homes import is_url
 from ..reader.open import open_dataset
 from ..store import Store
-from ..tiers.home_base import is_url
 
 EXISTING = ("refuse", "append", "overwrite")
 F = TypeVar("F", bound=Callable[..., Any])

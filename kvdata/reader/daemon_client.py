@@ -22,9 +22,9 @@ from typing import Any
 from ..config import Config
 from ..errors import DaemonError, DaemonUnavailable, KVDataError
 from ..format import ShardEntry, names
+from ..homes import Home
 from ..protocol import MAX_FDS, Client, close_fds, flag_set
 from ..store.shards import OpenedCopy
-from ..tiers.homes import Home
 from ..tiers.staging import Engine
 from ..tiers.staging.keep_set import KEEP_TTL
 from .daemon_requests import open_request, shard_file

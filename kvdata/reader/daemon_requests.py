@@ -17,8 +17,8 @@ from typing import Any
 
 from ..errors import DaemonError, KVDataError
 from ..format import ShardEntry, names
+from ..homes import is_url
 from ..protocol import MAX_FDS, Client, close_fds
-from ..tiers.homes import is_url
 from ..tiers.mirror import mirror_from_fds
 
 

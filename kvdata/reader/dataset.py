@@ -19,9 +19,9 @@ import torch
 import torch.utils.data
 
 from .._util.sizes import format_size
+from ..homes import is_url
 from ..store import Store
 from ..store.stacking import Ragged, ragged
-from ..tiers.homes import is_url
 from ..tiers.policy import looks_random
 from .open import open_dataset
 from .torch_seam import column_rows, zero_copy_collate_works

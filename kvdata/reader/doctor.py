@@ -29,7 +29,7 @@ from typing import Any
 
 from ..config import Config, load_config
 from ..errors import ConfigError, InvalidValueError
-from ..tiers.homes import is_url
+from ..homes import is_url
 from .daemon_client import DaemonStager
 from .doctor_measure import FULL, Sizes, directory_read, home_probe, memcpy_bandwidth, reader_rate
 from .open import open_dataset

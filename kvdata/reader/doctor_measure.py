@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import Config
 from ..format.manifest import ShardEntry
-from ..tiers.homes import open_home
+from ..homes import open_home
 from .open import open_dataset
 
 __all__ = ["Sizes", "QUICK", "FULL", "memcpy_bandwidth", "directory_read", "home_probe", "reader_rate"]

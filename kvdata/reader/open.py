@@ -21,10 +21,10 @@ from typing import Any
 from ..config import Config, load_config
 from ..errors import ReadOnlyError
 from ..format import names
+from ..homes import is_url, open_home
 from ..protocol import connect
 from ..store import Store
 from ..store.verify import verify_store
-from ..tiers.homes import is_url, open_home
 from ..tiers.mirror import cache_root, mirror
 from ..tiers.source import EngineSource, max_open_within
 from ..tiers.staging import Engine

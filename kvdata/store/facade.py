@@ -149,7 +149,7 @@ class Store:
 
     @property
     def home(self) -> Any:
-        """The dataset's home when shards come through tiers (kvdata.tiers.homes.Home), else None."""
+        """The dataset's home when shards come through tiers (kvdata.homes.Home), else None."""
         return self._source.home if self._source is not None else None
 
     @property

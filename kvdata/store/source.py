@@ -24,7 +24,7 @@ class ShardSource(Protocol):
 
     @property
     def home(self) -> Any:
-        """The dataset's home (kvdata.tiers.homes.Home)."""
+        """The dataset's home (kvdata.homes.Home)."""
 
     @property
     def stager(self) -> Any:

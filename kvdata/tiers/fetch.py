@@ -22,7 +22,8 @@ from .._util.fsutil import is_regular
 from ..errors import ChecksumMismatchError, RemoteError, StagingAbortedError
 from ..format import ShardEntry
 from ..format.codec import CHUNK
-from .homes import Home, pread_chunks
+from ..homes import Home
+from ..homes.local import pread_chunks
 from .tier import Tier
 
 

@@ -41,11 +41,10 @@ from .._util.progress import progress as make_progress
 from ..errors import CorruptDatasetError, KVDataError, NotADatasetError, ReadOnlyError
 from ..format import Manifest, ShardEntry, dump_manifest, names, parse_manifest
 from ..format.codec import CHUNK, file_sha256
+from ..homes import Home, ObjectInfo, is_url, open_home
 from ..store.index import load_array
 from ..store.merge import merge as merge_local
 from ..store.merge_plan import PartIndex, merged_shards, plan_merge, write_merged_index
-from .home_base import Home, ObjectInfo, is_url
-from .homes import open_home
 from .mirror import MAX_MANIFEST_BYTES, fetch_exact
 from .records import RecordReader
 

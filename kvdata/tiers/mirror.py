@@ -17,9 +17,9 @@ from ..config import Config
 from ..errors import CorruptDatasetError
 from ..format import Manifest, names, parse_manifest
 from ..format.codec import file_sha256
+from ..homes.base import PART_SIZE, Home
+from ..homes.local import check_passed_fd, pread_chunks, read_fd
 from ..store.generation import read_manifest
-from .home_base import PART_SIZE
-from .homes import Home, check_passed_fd, pread_chunks, read_fd
 
 MIRROR_NAME_HEX = 24  # hex digits of sha256(url) naming a mirror directory
 MAX_MANIFEST_BYTES = 16 << 20  # a remote manifest (or one passed to kvdatad): ~50,000 shards fit

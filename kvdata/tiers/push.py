@@ -30,8 +30,8 @@ from .._util.progress import progress as make_progress
 from ..errors import KVDataError, ReadOnlyError, RemoteError, WriterLockedError
 from ..format import ZstCopy, dump_manifest, names
 from ..format.codec import compress_file, zst_copy
+from ..homes import Home, open_home
 from ..store import Store
-from .homes import Home, open_home
 
 
 def push(dataset: str | os.PathLike[str], url: str, *, show: bool | None = None) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from .._util.fsutil import atomic_write, read_regular
 from ..errors import ChecksumMismatchError, CorruptDatasetError, RemoteError
 from ..format import ShardEntry, frames, names
 from ..format.codec import CHUNK
-from .homes import Home
+from ..homes import Home
 
 T = TypeVar("T")
 IN_FLIGHT = 32            # ranged GETs in flight per process (one per pool thread)

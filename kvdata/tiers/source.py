@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..format import ShardEntry
+from ..homes import Home
 from ..store.shards import OpenedCopy
-from .homes import Home
 from .staging import Engine
 
 MAX_OPEN = 16          # staged shards a reader keeps mapped, at most

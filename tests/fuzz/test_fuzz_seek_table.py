@@ -20,7 +20,7 @@ import kvdata
 from kvdata.errors import CorruptDatasetError, KVDataError
 from kvdata.format import ShardEntry, ZstCopy, frames
 from kvdata.format.codec import compress_file
-from kvdata.tiers.homes import Home
+from kvdata.homes import Home
 from kvdata.tiers.records import RecordReader
 
 import fuzzlib as fl

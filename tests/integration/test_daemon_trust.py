@@ -32,8 +32,8 @@ import kvdata.store.verify
 import kvdata.tiers.staging
 from kvdata.config import ConfigError, DaemonConfig, normalize_home_url
 from kvdata.errors import DaemonError, RemoteError
+from kvdata.homes.http_home import HTTPHome
 from kvdata.protocol import HEADER, MAX_FRAME, Client
-from kvdata.tiers.http_home import HTTPHome
 from kvdata.tiers.mirror import MAX_MANIFEST_BYTES, mirror
 
 from helpers.common import free_port, wait_for

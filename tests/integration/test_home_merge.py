@@ -22,11 +22,11 @@ import pytest
 import kvdata
 from kvdata.errors import CorruptDatasetError, InvalidKeyError, KVDataError, NotADatasetError, ReadOnlyError
 from kvdata.format import names
+from kvdata.homes import open_home
+from kvdata.homes.s3_home import S3Home
 from kvdata.reader.open import verify
 from kvdata.tiers.home_merge import merge, merge_at_home
-from kvdata.tiers.homes import open_home
 from kvdata.tiers.push import push
-from kvdata.tiers.s3_home import S3Home
 
 from helpers.cli import Cli
 from helpers.forked import run_forked

@@ -23,9 +23,10 @@ import pytest
 
 import kvdata
 from kvdata.errors import ChecksumMismatchError
-from kvdata.tiers.homes import SHA256_XATTR, LocalHome, open_home
+from kvdata.homes import open_home
+from kvdata.homes.local import SHA256_XATTR, LocalHome
+from kvdata.homes.s3_home import S3Home
 from kvdata.tiers.push import push
-from kvdata.tiers.s3_home import S3Home
 
 from helpers.servers import S3Server, tiers_config
 

@@ -26,9 +26,9 @@ import kvdata
 from kvdata.errors import ChecksumMismatchError, KVDataError
 from kvdata.format import dump_manifest, frames, names, parse_manifest
 from kvdata.format.codec import compress_file, zst_copy
+from kvdata.homes import open_home
 from kvdata.reader.daemon_client import DaemonStager
 from kvdata.reader.open import open_dataset
-from kvdata.tiers.homes import open_home
 from kvdata.tiers.staging.keep_set import KEEP_TTL
 from kvdata.tiers.tier import Tier
 
@@ -321,7 +321,7 @@ class SlowHome:
         import threading
         import time
 
-        from kvdata.tiers.homes import Home
+        from kvdata.homes import Home
 
         class _Slow(Home):
             url = "s3://slow/ds"

@@ -27,8 +27,8 @@ import pytest
 import kvdata
 from kvdata.errors import ChecksumMismatchError, ConfigError, KVDataError
 from kvdata.format.codec import compress_file
+from kvdata.homes import open_home
 from kvdata.reader.open import open_dataset
-from kvdata.tiers.homes import open_home
 from kvdata.tiers.staging import Engine
 from kvdata.tiers.tier import Tier
 

@@ -45,11 +45,11 @@ from ..._util.sizes import format_size
 from ...config import Config
 from ...errors import ConfigError, KVDataError, NoRoomError, StagingAbortedError, TierFailedError
 from ...format import ShardEntry
+from ...homes import Home
 from ...store.shards import OpenedCopy
 from .. import policy
 from ..claims import ORDER_PREFIX_SHARDS, ReadModes
 from ..fetch import Fetcher
-from ..homes import Home
 from ..tier import Tier
 from .counters import Counters
 from .jobs import Jobs

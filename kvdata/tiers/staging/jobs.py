@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...errors import StagingAbortedError
 from ...format import ShardEntry
-from ..homes import Home
+from ...homes import Home
 from .tier_stager import TierStager
 
 

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 
 from ...format import ShardEntry
-from ..homes import Home
+from ...homes import Home
 
 
 @dataclass

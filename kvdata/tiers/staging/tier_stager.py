@@ -18,11 +18,11 @@ from pathlib import Path
 from ..._util.fsutil import fsync_dir
 from ...errors import NoRoomError, TierFailedError
 from ...format import ShardEntry
+from ...homes import Home
 from ...store.shards import OpenedCopy
 from .. import policy
 from ..claims import ReadModes
 from ..fetch import Fetcher
-from ..homes import Home
 from ..tier import PIN_SECONDS, TIER_ERRNOS, Reservation, Tier
 from .counters import Counters
 from .keep_set import KeepSet

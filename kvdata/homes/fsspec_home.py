@@ -1,7 +1,7 @@
 """Any fsspec filesystem as a dataset home: gs://, az://, abfs://, hf://, memory://, ... .
 
-S3 and HTTP(S) keep their dedicated homes (kvdata.tiers.s3_home: boto3's connection pool;
-kvdata.tiers.http_home: ranged GETs, one keep-alive connection per thread), which are faster
+S3 and HTTP(S) keep their dedicated homes (kvdata.homes.s3_home: boto3's connection pool;
+kvdata.homes.http_home: ranged GETs, one keep-alive connection per thread), which are faster
 than going through fsspec; every other scheme fsspec knows is served here, with fsspec's own
 ranged reads (`cat_file(path, start, end)`), so staging, record-granular reads and
 `kvdata push` work the same way on it. fsspec is an optional extra (`pip install
@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import KVDataError, RemoteError
 from ..format import names
 from ..format.codec import file_sha256
-from .home_base import Home, ObjectInfo
+from .base import Home, ObjectInfo
 
 #: schemes that have a dedicated home (or are local paths): routed through fsspec only with FSSPEC_PREFIX
 DEDICATED = frozenset({"s3", "s3a", "http", "https", "file", "local"})

@@ -2,7 +2,7 @@
 
 Its own module because it is one kind of home with its own machinery: a keep-alive connection
 per thread (all closed together), bodies never read past a limit, servers that ignore Range.
-kvdata.tiers.homes.open_home picks it for http:// and https:// URLs.
+kvdata.homes.open_home picks it for http:// and https:// URLs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import urllib.parse
 
 from ..errors import RemoteError
-from .home_base import READ_LIMIT, Home
+from .base import READ_LIMIT, Home
 
 
 class HTTPHome(Home):

@@ -1,7 +1,7 @@
 """The Home interface: where a dataset's truth lives, as one small set of operations on
-names relative to the dataset (kvdata.tiers.homes has the local and passed-file homes and
-open_home, kvdata.tiers.s3_home and http_home the S3 and HTTP ones, kvdata.tiers.fsspec_home
-any other fsspec filesystem)."""
+names relative to the dataset (kvdata.homes.local has the local and passed-file homes,
+kvdata.homes.s3_home and http_home the S3 and HTTP ones, kvdata.homes.fsspec_home any other
+fsspec filesystem, and kvdata.homes.open_home picks one by URL scheme)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ class Home:
 
     writable = False
     trusted_manifest = True   # its manifest binds compressed copies to content hashes (see PassedFiles)
-    #: the tiers.records.RecordReader of this home, made on its first record read and kept with
+    #: the kvdata.tiers.records.RecordReader of this home, made on its first record read and kept with
     #: it, so every source reading this home in the process shares its verified seek tables
     record_reader: Any = None
-    #: whether readers can read this home's shards record by record (tiers.records: remote homes,
+    #: whether readers can read this home's shards record by record (kvdata.tiers.records: remote homes,
     #: whose framed cold copies take ranged GETs); a local home is read in place instead
     record_reads = False
 

@@ -3,7 +3,7 @@ only when such a URL is opened).
 
 Its own module because it is the largest kind of home: recorded sha256s as object metadata,
 server-side copies between buckets (CopyObject, or UploadPartCopy ranges past 5 GiB) and
-uploads through boto3's transfer manager. kvdata.tiers.homes.open_home picks it for s3:// URLs.
+uploads through boto3's transfer manager. kvdata.homes.open_home picks it for s3:// URLs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from .._util.digest import is_sha256
 from ..errors import KVDataError, RemoteError
 from ..format.codec import file_sha256
-from .home_base import PART_SIZE, READ_LIMIT, Home, ObjectInfo
+from .base import PART_SIZE, READ_LIMIT, Home, ObjectInfo
 
 S3_SHA256_META = "sha256"             # an S3 object's recorded sha256: the header x-amz-meta-sha256
 MAX_COPY_OBJECT = 5 << 30             # S3's CopyObject limit; larger objects are copied part by part

@@ -1,11 +1,7 @@
-"""Homes: where a dataset's truth lives -- a local path, s3://bucket/prefix, or http(s)://.
+"""The local homes: a dataset at a path (LocalHome), and the shard files a reader passes to
+kvdatad (PassedFiles), with the checks and reads of such a passed descriptor.
 
-One small interface (home_base.Home), chosen by URL scheme in open_home; SDKs are imported
-only when a URL needs them (boto3 for s3://, the standard library for HTTP). A remote home
-holds the same layout as a local dataset, with sealed shards as `.mdb.zst` only. This module
-has open_home and the local homes (LocalHome, a path; PassedFiles, the shard files a reader
-passes to kvdatad); the remote ones are s3_home.S3Home, http_home.HTTPHome and
-fsspec_home.FsspecHome.
+Every home implements base.Home; open_home (kvdata.homes.open) picks one by URL scheme.
 """
 
 from __future__ import annotations
@@ -17,18 +13,15 @@ import os
 import secrets
 import stat
 import threading
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
 from .._util.digest import is_sha256
 from .._util.fsutil import create_exclusive, fsync_dir, read_regular, unlink_quiet
-from ..errors import NotADatasetError, RemoteError
+from ..errors import RemoteError
 from ..format import names
 from ..format.codec import CHUNK
-from .home_base import READ_LIMIT, Home, is_url  # noqa: F401 -- is_url re-exported
-from .http_home import HTTPHome
-from .s3_home import S3Home
+from .base import READ_LIMIT, Home
 
 SHA256_XATTR = "user.kvdata.sha256"   # a local home file's recorded sha256 (see LocalHome.sha256)
 
@@ -271,21 +264,3 @@ def read_fd(fd: int, limit: int, what: str) -> bytes:
         return b"".join(pread_chunks(fd, st.st_size, 1 << 20))
     except OSError as e:
         raise RemoteError(f"{what} cannot be read ({errno.errorcode.get(e.errno or 0, e)})") from None
-
-
-def open_home(location: str | os.PathLike[str]) -> Home:
-    """The Home for a path or URL."""
-    s = str(location)
-    if s.startswith("s3://"):
-        return S3Home(s)
-    if s.startswith(("http://", "https://")):
-        return HTTPHome(s)
-    if s.startswith("file://"):
-        return LocalHome(urllib.parse.urlparse(s).path)
-    from .fsspec_home import FsspecHome, fsspec_scheme
-
-    if fsspec_scheme(s) is not None:  # gs://, az://, hf://, memory://, ...: any fsspec filesystem
-        return FsspecHome(s)
-    if "://" in s:
-        raise NotADatasetError(f"{s}: unsupported URL scheme; use a path, s3://, http(s):// or an fsspec URL")
-    return LocalHome(s)
