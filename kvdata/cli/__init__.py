@@ -48,6 +48,20 @@ def _pipe_closed() -> NoReturn:
     sys.exit(0)
 
 
+def _after_interrupt(e: BaseException) -> bool:
+    """True when `e` was raised while a KeyboardInterrupt was being handled (cleanup that a
+    Ctrl-C cut short failed in turn, e.g. a BufferError closing a map a frame still views):
+    the user pressed Ctrl-C, and that is what to report."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def _interrupted() -> NoReturn:
     """Ctrl-C: one line, exit 130 (what was being written is discarded by whoever wrote it)."""
     click.echo("kvdata: interrupted", err=True)
@@ -88,17 +102,21 @@ class KVDataGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except KVDataError as e:
-            fail(str(e))
-        except KeyError as e:
-            fail(str(e.args[0]) if e.args else "key not found")
-        except OSError as e:
-            if _is_broken_pipe(e):
-                _pipe_closed()
-            where = f"{e.filename}: " if e.filename else ""
-            fail(f"{where}{e.strerror or e}")
         except KeyboardInterrupt:
             _interrupted()
+        except Exception as e:
+            if _after_interrupt(e):
+                _interrupted()
+            if isinstance(e, KVDataError):
+                fail(str(e))
+            if isinstance(e, KeyError):
+                fail(str(e.args[0]) if e.args else "key not found")
+            if isinstance(e, OSError):
+                if _is_broken_pipe(e):
+                    _pipe_closed()
+                where = f"{e.filename}: " if e.filename else ""
+                fail(f"{where}{e.strerror or e}")
+            raise
 
 
 @click.group(cls=KVDataGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -210,12 +210,9 @@ def said_if_being_built(dataset: str) -> Iterator[None]:
 
 def being_built(dataset: str) -> str | None:
     """One line about the imports building `dataset` in parallel (importers.parts), or None."""
-    from ..homes import is_url
     from ..importers.parts import find_parts_dirs
 
-    if is_url(dataset):
-        return None
-    found = find_parts_dirs(dataset)
+    found = find_parts_dirs(dataset)  # (none beside a URL)
     if not found:
         return None
     path, pid, running = next(((p, i, r) for p, i, r in found if r), found[0])

@@ -93,11 +93,12 @@ def make_ring(regions: int, region_bytes: int) -> mmap.mmap:
 
 
 def close_pool(pool: Any, ring: mmap.mmap | None) -> None:
-    """End the worker pool, then unmap the ring (unless a caller still holds a view of it:
-    the mapping then goes with the last view)."""
+    """End the worker pool (target.end_pool), then unmap the ring (unless a caller still holds
+    a view of it: the mapping then goes with the last view)."""
     if pool is not None:
-        pool.terminate()
-        pool.join()
+        from .target import end_pool
+
+        end_pool(pool)
     if ring is not None:
         try:
             ring.close()

@@ -44,7 +44,6 @@ import numpy as np
 from .._util.interrupts import interrupts_deferred
 from ..errors import ConfigError
 from ..format import names
-from ..homes import is_url
 from ..reader.open import open_dataset
 from ..store import Store
 
@@ -62,9 +61,8 @@ def check_existing(existing: Any) -> str:
 
 
 def dataset_exists(dest: str | os.PathLike[str]) -> bool:
-    """True when the local path `dest` already holds a dataset (a manifest, or shards)."""
-    if is_url(dest):
-        return False
+    """True when the local path `dest` already holds a dataset (a manifest, or shards); a URL
+    never does (writers refuse it anyway)."""
     path = Path(dest)
     return (path / names.MANIFEST).exists() or (path / names.SHARDS_DIR).is_dir()
 
@@ -231,7 +229,26 @@ def open_target(dest: str | os.PathLike[str], existing: str, *, shard_size: int 
     """`dest` opened for one import (mode "a"): committed only by Target.commit; any error or
     Ctrl-C before that discards every write (and removes a dataset the import created)."""
     with open_dataset(dest, "a", shard_size=shard_size, compress=compress) as store:
-        yield Target(store, dest, existing)
+        try:
+            yield Target(store, dest, existing)
+        except BaseException:
+            _discard(store)
+            raise
+
+
+def _discard(store: Store) -> None:
+    """Return an existing dataset's files to its last commit before the writer closes without
+    committing: the shards this import sealed and the tails it started are removed.
+    (Writer.close(commit=False) leaves them to the next writer's recovery, which cannot tell
+    them from someone else's and moves them into lost+found/; a dataset the import created is
+    removed whole by close.) The store has no call for that yet, so this is the writer's own
+    recovery, which removes only files that writer wrote."""
+    try:
+        writer = store._w()
+        if writer.m.generation > 0:
+            writer._fail()
+    except Exception:  # noqa: BLE001 -- the import's own error is the one to report
+        pass
 
 
 # ---------------------------------------------------------------- Ctrl-C
@@ -302,10 +319,31 @@ def start_pool(ctx: Any, workers: int, initializer: Callable[..., None] | None =
     return pool
 
 
+END_POOL_WAIT_S = 3.0  # how long ending a pool may take before its processes are killed
+
+
 def end_pool(pool: Any) -> None:
-    """Terminate a pool and wait for its processes."""
-    pool.terminate()
-    pool.join()
+    """Terminate a pool and wait for its processes -- but not forever. `Pool.terminate()` can
+    hang for good: a worker it SIGTERMs while the worker sends a result holds the result
+    queue's lock, which the pool's task-handler thread may still need (and terminate joins
+    that thread). So it runs on a thread of its own; if it has not finished in
+    END_POOL_WAIT_S, the workers are killed and the import goes on ending (the stuck thread
+    is a daemon: it never holds the process up)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            pool.terminate()
+            pool.join()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="kvdata-end-pool", daemon=True).start()
+    if not done.wait(END_POOL_WAIT_S):
+        for proc in list(getattr(pool, "_pool", ())):  # (the pool's worker processes)
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.join(1.0)
 
 
 __all__ = ["EXISTING", "Target", "open_target", "check_existing", "refuse_existing", "dataset_exists",

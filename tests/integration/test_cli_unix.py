@@ -162,8 +162,8 @@ class Terminal:
         os.close(self.master)
 
 
-def _bar_moved(text: str) -> bool:
-    return any(int(done) > 0 for done, _total in re.findall(r"(\d+)/(\d+)", text))
+def _bar_at(text: str, at_least: int) -> bool:
+    return any(int(done) >= at_least for done, _total in re.findall(r"(\d+)/(\d+)", text))
 
 
 @pytest.fixture(scope="module")
@@ -188,12 +188,14 @@ def small_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return src
 
 
-def _tree_state(root: Path) -> dict[str, tuple[int, bytes | None]]:
-    """Every file under root: its size, and the bytes of manifest.json."""
-    out: dict[str, tuple[int, bytes | None]] = {}
+def _tree_state(root: Path) -> dict[str, tuple[int | None, bytes | None]]:
+    """Every file under root: its size (but the open tail's: an LMDB file keeps the pages a
+    write that was rolled back grew it by), and the bytes of manifest.json."""
+    out: dict[str, tuple[int | None, bytes | None]] = {}
     for p in sorted(root.rglob("*")):
         if p.is_file():
-            out[str(p.relative_to(root))] = (p.stat().st_size, p.read_bytes() if p.name == "manifest.json" else None)
+            out[str(p.relative_to(root))] = (None if p.name.startswith("tail-") else p.stat().st_size,
+                                             p.read_bytes() if p.name == "manifest.json" else None)
     return out
 
 
@@ -208,10 +210,11 @@ def _group_gone(pgid: int, within: float = 5.0) -> bool:
     return False
 
 
-def _interrupt_import(cwd: Path, argv: list[str], delay: float, check_info: Path | None = None) -> tuple[int, str, float]:
+def _interrupt_import(cwd: Path, argv: list[str], at: int, delay: float,
+                      check_info: Path | None = None) -> tuple[int, str, float]:
     """Run `kvdata import ...` with stderr on a pty in its own process group; once the bar
-    moved, wait `delay` s and SIGINT the group. Returns (exit code, what the terminal showed,
-    seconds from the signal to the exit)."""
+    counts `at` records, wait `delay` s and SIGINT the group. Returns (exit code, what the
+    terminal showed, seconds from the signal to the exit)."""
     term = Terminal()
     p = subprocess.Popen([KVDATA, *argv], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=term.slave, start_new_session=True,
@@ -220,7 +223,7 @@ def _interrupt_import(cwd: Path, argv: list[str], delay: float, check_info: Path
     term.close_slave()
     try:
         deadline = time.monotonic() + 60
-        while not _bar_moved(term.text()):
+        while not _bar_at(term.text(), at):
             assert p.poll() is None, f"the import ended before it could be interrupted: {term.text()!r}"
             assert time.monotonic() < deadline, term.text()
             time.sleep(0.01)
@@ -264,12 +267,15 @@ def test_ctrl_c_ends_an_import_at_once_leaving_the_dataset_as_it_was(
         cli.ok("import", "folder", small_images, ds, "--decode", "rgb", "--resize", "4x4")
         keys = cli.ok("ls", ds).lines()  # (a first read makes the reader registry's lock file)
         before = _tree_state(ds)
-    argv = ["import", "folder", str(slow_images), "ds", "--decode", "rgb", "--resize", "4x4", "--workers", str(workers)]
+    # small shards: the import seals some before it is interrupted, and those must go too
+    argv = ["import", "folder", str(slow_images), "ds", "--decode", "rgb", "--resize", "32x32", "--shard-size", "64KB",
+            "--workers", str(workers)]
     if into != "new":
         argv.append(f"--{into}")
-    for attempt, delay in enumerate([0.0, 0.15, 0.4][:repeats]):
+    # at once, and later: after the first shards were sealed (about 20 records each)
+    for attempt, (at, delay) in enumerate([(1, 0.0), (45, 0.15), (45, 0.4)][:repeats]):
         check = ds if into == "new" and workers == 2 and attempt == 0 else None  # parallel parts: being built
-        rc, terminal, took = _interrupt_import(tmp_path, argv, delay, check_info=check)
+        rc, terminal, took = _interrupt_import(tmp_path, argv, at, delay, check_info=check)
         assert rc == 130, terminal
         assert _messages(terminal) == ["kvdata: interrupted"], terminal
         assert "Traceback" not in terminal
@@ -286,3 +292,97 @@ def test_ctrl_c_ends_an_import_at_once_leaving_the_dataset_as_it_was(
         summary = json.loads(cli.ok("import", "folder", small_images, ds, "--decode", "rgb", "--resize", "4x4",
                                     f"--{into}", "--json").text)
         assert summary["mode"] == into
+
+
+@pytest.fixture(scope="module")
+def slow_records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """The same slow images as a WebDataset tar and a Parquet file (1,500 records: big.*), and
+    3 small ones of each (small.*) for the datasets that exist before."""
+    import io
+    import tarfile
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    root = tmp_path_factory.mktemp("records")
+    buf = io.BytesIO()
+    Image.new("RGB", (1024, 1024), (9, 99, 199)).save(buf, "PNG")
+    slow = buf.getvalue()
+    small = []
+    for i in range(3):
+        b = io.BytesIO()
+        Image.new("RGB", (8, 8), (i, i, i)).save(b, "PNG")
+        small.append(b.getvalue())
+    out: dict[str, tuple[Path, Path]] = {}
+    tars = []
+    for name, images in (("big", [slow] * 1500), ("small", small)):
+        with tarfile.open(root / f"{name}.tar", "w") as tf:
+            for i, data in enumerate(images):
+                info = tarfile.TarInfo(f"{name}{i:05d}.png")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+        pq.write_table(pa.table({"key": [f"{name}{i:05d}" for i in range(len(images))], "img": images}),
+                       root / f"{name}.parquet")
+        tars.append(root / f"{name}.tar")
+    out["wds"] = (root / "big.tar", root / "small.tar")
+    out["parquet"] = (root / "big.parquet", root / "small.parquet")
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["wds", "parquet"])
+def test_ctrl_c_ends_a_record_import_too(tmp_path: Path, cli: Cli, slow_records: dict[str, tuple[Path, Path]],
+                                         kind: str, workers: int) -> None:
+    big, small = slow_records[kind]
+    opts = ["--decode", "rgb", *(["--key", "key"] if kind == "parquet" else [])]
+    ds = tmp_path / "ds"
+    cli.ok("import", kind, small, ds, *opts)
+    keys = cli.ok("ls", ds).lines()
+    before = _tree_state(ds)
+    argv = ["import", kind, str(big), "ds", *opts, "--overwrite", "--shard-size", "4MB", "--workers", str(workers)]
+    rc, terminal, took = _interrupt_import(tmp_path, argv, at=45, delay=0.1)
+    assert rc == 130 and _messages(terminal) == ["kvdata: interrupted"], terminal
+    assert took < 5, f"{took:.1f} s from SIGINT to exit"
+    assert _tree_state(ds) == before, "the dataset changed"
+    assert cli.ok("ls", ds).lines() == keys
+    assert sorted(os.listdir(tmp_path)) == ["ds"]
+
+
+def _sleep_forever() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a worker stuck where SIGTERM does not end it
+    while True:
+        time.sleep(1)
+
+
+def test_a_pool_that_will_not_terminate_does_not_hold_an_import_up() -> None:
+    """Pool.terminate() can hang for good (a worker SIGTERMed while it sends a result keeps the
+    result queue's lock, which the pool's task handler then waits for): end_pool gives it
+    END_POOL_WAIT_S, then kills the workers and returns."""
+    import multiprocessing
+
+    from kvdata.importers import target
+
+    release = threading.Event()
+    proc = multiprocessing.get_context("fork").Process(target=_sleep_forever, daemon=True)
+    proc.start()
+
+    class StuckPool:
+        _pool = [proc]
+
+        def terminate(self) -> None:
+            release.wait()
+
+        def join(self) -> None:
+            pass
+
+    try:
+        started = time.monotonic()
+        target.end_pool(StuckPool())
+        took = time.monotonic() - started
+        assert target.END_POOL_WAIT_S <= took < target.END_POOL_WAIT_S + 3, took
+        assert not proc.is_alive() and proc.exitcode == -signal.SIGKILL
+    finally:
+        release.set()
+        if proc.is_alive():
+            proc.kill()
+        proc.join()

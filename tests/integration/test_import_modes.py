@@ -53,12 +53,14 @@ def _info(cli: Cli, ds: Path) -> dict[str, Any]:
     return cli.ok("info", ds, "--json").json()
 
 
-def _snapshot(ds: Path) -> dict[str, tuple[int, bytes | None]]:
-    """Every file of the dataset (size; manifest.json's bytes), after a first read made the
-    reader registry's lock file."""
+def _snapshot(ds: Path) -> dict[str, tuple[int | None, bytes | None]]:
+    """Every file of the dataset: its size (but the open tail's: an LMDB file keeps the pages a
+    write that was rolled back grew it by) and manifest.json's bytes; after a first read made
+    the reader registry's lock file."""
     with kvdata.open(ds) as store:
         len(store)
-    return {str(p.relative_to(ds)): (p.stat().st_size, p.read_bytes() if p.name == "manifest.json" else None)
+    return {str(p.relative_to(ds)): (None if p.name.startswith("tail-") else p.stat().st_size,
+                                     p.read_bytes() if p.name == "manifest.json" else None)
             for p in sorted(ds.rglob("*")) if p.is_file()}
 
 
@@ -219,14 +221,25 @@ def test_overwrite_replaces_contents_fields_classes_and_order(cli: Cli, tmp_path
     assert text.startswith(f"imported 6 images into {ds} (0 added, 6 overwritten; 3 classes"), text
 
 
-def test_overwrite_that_fails_leaves_the_dataset_as_it_was(cli: Cli, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["--overwrite", "--append"])
+def test_an_import_that_fails_leaves_the_dataset_as_it_was(cli: Cli, tmp_path: Path, mode: str) -> None:
+    """Not a file more or less: also the shards it sealed (small shards) and the tails it started."""
     src = _tree(tmp_path / "src", NAMES)
     ds = tmp_path / "ds"
     cli.ok("import", "folder", src, ds, "--decode", "rgb")
-    (src / "dog" / "9.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
-    before = _snapshot(ds)
-    cli.fail("import", "folder", src, ds, "--decode", "rgb", "--overwrite", "--no-shuffle", names=["9.png"])
+    for i in range(30):
+        _png(src / "dog" / f"5{i:02d}.png", 200 + i, size=(32, 32))
+    (src / "dog" / "9.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")  # last in key order
+    before, records = _snapshot(ds), _records(ds)
+    cli.fail("import", "folder", src, ds, "--decode", "rgb", mode, "--no-shuffle", "--shard-size", "16KB",
+             names=["9.png"])
     assert _snapshot(ds) == before
+    after = _records(ds)
+    assert list(after) == list(records)
+    for k in records:
+        np.testing.assert_array_equal(after[k]["image"], records[k]["image"])
+    assert not (ds / "lost+found").exists()
+    assert cli.ok("verify", ds, "--json").json()["ok"]
 
 
 # ---------------------------------------------------------------- other importers
