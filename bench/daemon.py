@@ -144,7 +144,7 @@ def images(rng: np.random.Generator, start: int, n: int, ds_id: int, content: st
 
 def build(work: Path, ds_id: int, a: argparse.Namespace) -> Path:
     """Dataset ds_id written (sealed, compressed) and pushed to a local home; reused if built with the same params."""
-    from kvdata.tiers.push import push
+    from kvdata.sync.push import push
 
     src, home = work / f"ds{ds_id}", work / f"home{ds_id}"
     params = {"n": a.samples, "shard_size": a.shard_size, "seed": a.seed, "content": a.content, "id": ds_id}

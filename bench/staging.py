@@ -123,7 +123,7 @@ def run_local(a: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
 
     from kvdata.config import Config, TierConfig
     from kvdata.homes import open_home
-    from kvdata.tiers.push import push
+    from kvdata.sync.push import push
     from kvdata.tiers.staging import Engine
 
     t0 = time.perf_counter()
@@ -803,7 +803,7 @@ def s3_env(endpoint: str | None) -> None:
 
 def prepare_home(a: argparse.Namespace, src: Path, n: int) -> None:
     """Push the dataset to the home, and one object per sample under <url>.samples/."""
-    from kvdata.tiers.push import push
+    from kvdata.sync.push import push
 
     u = urllib.parse.urlparse(a.url)
     if u.scheme == "s3":

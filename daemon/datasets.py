@@ -14,7 +14,7 @@ from kvdata.errors import BadRequest, NotAllowed
 from kvdata.format import Manifest, ShardEntry
 from kvdata.homes import Home, open_home
 from kvdata.homes.local import PassedFiles
-from kvdata.tiers.mirror import cache_root, mirror, read_manifest
+from kvdata.sync.mirror import cache_root, mirror, read_manifest
 from kvdata.tiers.staging import Engine
 
 from .messages import is_url

@@ -35,8 +35,8 @@ from kvdata.format import ShardEntry
 from kvdata.homes import Home
 from kvdata.homes.local import PassedFiles
 from kvdata.protocol import PROTOCOL_VERSION, pack_flags
+from kvdata.sync.mirror import manifest_from_fd, open_mirror_files
 from kvdata.tiers import policy
-from kvdata.tiers.mirror import manifest_from_fd, open_mirror_files
 from kvdata.tiers.staging import Engine
 
 from .clients import Clients

@@ -13,7 +13,7 @@ from .errors import KVDataError
 from .reader.open import open_dataset as open
 from .store import Store
 from .store.compact import CompactSummary, compact
-from .tiers.home_merge import merge
+from .sync.home_merge import merge
 
 __all__ = ["open", "Store", "KVDataError", "merge", "compact", "CompactSummary", "Dataset", "ShardShuffleSampler",
            "collate", "BatchReader", "Loader",

@@ -182,7 +182,7 @@ def _mode_line(d: dict[str, Any]) -> str:
 def cache_report(eng: Engine) -> dict[str, Any]:
     """Tiers with their staged shards, named by the datasets that own them where known."""
     from ..format import names
-    from ..tiers.mirror import cache_root
+    from ..sync.mirror import cache_root
 
     owners: dict[str, list[str]] = {}
     root = cache_root(eng.config)
@@ -238,7 +238,7 @@ def cache_ls(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def push(dataset: str, url: str, as_json: bool) -> None:
     """Upload a sealed local dataset to a home (a path or s3://); the manifest goes last."""
-    from ..tiers.push import push as run_push
+    from ..sync.push import push as run_push
 
     summary = run_push(dataset, url)
     if as_json:

@@ -25,7 +25,7 @@ def merge(paths: tuple[str, ...], move: bool, seal: bool, as_json: bool) -> None
     it appears whole or not at all."""
     if len(paths) < 2:
         raise click.UsageError("name at least one part and the new DATASET")
-    from ..tiers.home_merge import merge as run_merge
+    from ..sync.home_merge import merge as run_merge
 
     summary = run_merge(paths[:-1], paths[-1], move=move, seal=seal)
     if as_json:

@@ -19,7 +19,7 @@ from ..errors import DaemonError, KVDataError
 from ..format import ShardEntry, names
 from ..homes import is_url
 from ..protocol import MAX_FDS, Client, close_fds
-from ..tiers.mirror import mirror_from_fds
+from ..sync.mirror import mirror_from_fds
 
 
 def user_mirror_root() -> Path:

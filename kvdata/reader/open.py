@@ -25,7 +25,7 @@ from ..homes import is_url, open_home
 from ..protocol import connect
 from ..store import Store
 from ..store.verify import verify_store
-from ..tiers.mirror import cache_root, mirror
+from ..sync.mirror import cache_root, mirror
 from ..tiers.source import EngineSource, max_open_within
 from ..tiers.staging import Engine
 from .daemon_client import DaemonStager

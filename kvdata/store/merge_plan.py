@@ -2,7 +2,7 @@
 each part's manifest and index arrays alone.
 
 Two drivers call this module: kvdata.store.merge joins local datasets (their index memory-mapped,
-keys read through LMDB, shards hard-linked) and kvdata.tiers.home_merge joins parts pushed to a
+keys read through LMDB, shards hard-linked) and kvdata.sync.home_merge joins parts pushed to a
 home (their index downloaded and checked against the sha256 push recorded, keys read record by
 record, shard objects copied by the home itself). Both hand `plan_merge` one `PartIndex` per
 part and a `KeyReader`; the plan refuses everything that would refuse the merge before the

@@ -43,7 +43,7 @@ from .claim_files import ClaimFiles
 from .tier_trust import directory_problem, ours
 
 PIN_SECONDS = 5.0
-METADATA_DIR = "datasets"  # kvdata.tiers.mirror.cache_root puts remote datasets' indexes here
+METADATA_DIR = "datasets"  # kvdata.sync.mirror.cache_root puts remote datasets' indexes here
 METADATA_TTL = 2.0
 TRUST_RECHECK = 30.0  # seconds a directory's trust verdict is kept (only its owner, us or root, can change it)
 
@@ -83,7 +83,7 @@ class Tier(ClaimFiles):
 
     def metadata_bytes(self) -> int:
         """Bytes of the remote datasets' verified manifests and indexes kept under this tier
-        (kvdata.tiers.mirror.cache_root: the last tier's `datasets/`): they take the tier's disk
+        (kvdata.sync.mirror.cache_root: the last tier's `datasets/`): they take the tier's disk
         like copies do, so the budget counts them; rescanned at most every METADATA_TTL seconds."""
         now = time.monotonic()
         until, size = self._metadata

@@ -816,7 +816,7 @@ def run_manifest_store(case: tuple[Any, bool], ctx: Ctx) -> None:
     """A mutated manifest in a copy of the dataset: reads, verify, an index mirror (the remote-home
     path, here from a local "home"), and (sometimes) a writer that appends and commits."""
     from kvdata.homes import open_home
-    from kvdata.tiers.mirror import mirror
+    from kvdata.sync.mirror import mirror
 
     tree, write = case
     ds = fresh_copy(ctx, [])

@@ -26,7 +26,7 @@ import pytest
 
 import kvdata
 from kvdata.config import Config, parse_config
-from kvdata.tiers.push import push
+from kvdata.sync.push import push
 
 from .common import free_port
 
@@ -292,7 +292,7 @@ def tiers_config(root: Path, *budgets: tuple[str, str | int]) -> Config:
 
 def metadata_bytes(dataset: Path) -> int:
     """About what a remote copy of this dataset's manifest and index takes in the last tier
-    (kvdata.tiers.mirror: counted against its budget), rounded up: add it to a budget meant
+    (kvdata.sync.mirror: counted against its budget), rounded up: add it to a budget meant
     to hold a given number of shards."""
     files = [dataset / "manifest.json", *(dataset / "index").iterdir()]
     return sum(f.stat().st_size for f in files) + 4096

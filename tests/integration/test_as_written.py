@@ -33,7 +33,7 @@ from kvdata.store import sealing as sealing_mod
 from kvdata.store import shards as shards_mod
 from kvdata.store.rebuild import reindex
 from kvdata.store.writer import SEAL_ON_CLOSE_MIN
-from kvdata.tiers.push import push
+from kvdata.sync.push import push
 
 from helpers.servers import tiers_config
 
@@ -395,7 +395,7 @@ def test_push_refuses_while_another_writer_holds_a_tail(tmp_path: Path) -> None:
 def test_push_of_a_tail_it_cannot_write_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "src"
     _tail_with_records(src, 20)
-    import kvdata.tiers.push as push_mod
+    import kvdata.sync.push as push_mod
     real = push_mod.Store
 
     def store(root: Any, mode: str = "r", **kw: Any) -> Any:

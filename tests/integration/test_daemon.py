@@ -29,7 +29,7 @@ import pytest
 import kvdata
 from kvdata.errors import KVDataError
 from kvdata.protocol import MAX_FRAME, TYPES, Client
-from kvdata.tiers.push import push
+from kvdata.sync.push import push
 
 from helpers.daemon import (
     Kit,

@@ -34,7 +34,7 @@ from kvdata.config import ConfigError, DaemonConfig, normalize_home_url
 from kvdata.errors import DaemonError, RemoteError
 from kvdata.homes.http_home import HTTPHome
 from kvdata.protocol import HEADER, MAX_FRAME, Client
-from kvdata.tiers.mirror import MAX_MANIFEST_BYTES, mirror
+from kvdata.sync.mirror import MAX_MANIFEST_BYTES, mirror
 
 from helpers.common import free_port, wait_for
 from helpers.daemon import Kit, Raw, assert_error_reply, build_dataset, manifest, same, tier_files
@@ -757,7 +757,7 @@ def test_remote_index_files_are_streamed_to_their_declared_size_and_checked(tmp_
     (Range ignored) gets a one-line CorruptDatasetError naming the file, nothing larger than the
     declared size is written, and no temp file is left."""
     from kvdata.errors import CorruptDatasetError
-    from kvdata.tiers.push import push
+    from kvdata.sync.push import push
 
     src = build_dataset(tmp_path / "src", n=24)
     www = tmp_path / "www"
@@ -788,7 +788,7 @@ def test_remote_index_files_are_streamed_to_their_declared_size_and_checked(tmp_
 
 def test_remote_home_not_in_allow_homes_is_refused_and_the_reader_stages_in_process(kit: Kit, tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvdata.tiers.push import push
+    from kvdata.sync.push import push
 
     src = build_dataset(kit.root / "src", n=24)
     www = tmp_path / "www"
@@ -856,7 +856,7 @@ class _Static(BaseHTTPRequestHandler):
 
 @needs_users
 def test_remote_dataset_mirror_reaches_a_reader_that_cannot_read_the_tier(trust: Trust, tmp_path: Path) -> None:
-    from kvdata.tiers.push import push
+    from kvdata.sync.push import push
 
     src = build_dataset(trust.kit.root / "src", n=24)
     www = tmp_path / "www"

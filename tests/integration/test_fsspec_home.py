@@ -22,8 +22,8 @@ from kvdata.errors import DaemonError, KVDataError, RemoteError
 from kvdata.format import names, parse_manifest
 from kvdata.homes import open_home
 from kvdata.reader.open import open_dataset
-from kvdata.tiers.home_merge import merge_at_home
-from kvdata.tiers.push import push
+from kvdata.sync.home_merge import merge_at_home
+from kvdata.sync.push import push
 from kvdata.tiers.records import RecordReader
 
 from helpers.cli import Cli

@@ -1,4 +1,4 @@
-"""`kvdata merge URL... URL` (kvdata.tiers.home_merge, issue 14 item 3): parts pushed under their
+"""`kvdata merge URL... URL` (kvdata.sync.home_merge, issue 14 item 3): parts pushed under their
 own prefixes of the real S3 server (moto) are published as one dataset at the home by one merge
 that moves no record byte through the client (the server's log shows no GET of a shard), and read
 back -- through kvdata.Dataset, `kvdata verify`, record for record -- exactly like a local merge of
@@ -25,8 +25,8 @@ from kvdata.format import names
 from kvdata.homes import open_home
 from kvdata.homes.s3_home import S3Home
 from kvdata.reader.open import verify
-from kvdata.tiers.home_merge import merge, merge_at_home
-from kvdata.tiers.push import push
+from kvdata.sync.home_merge import merge, merge_at_home
+from kvdata.sync.push import push
 
 from helpers.cli import Cli
 from helpers.forked import run_forked

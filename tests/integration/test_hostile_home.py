@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvdata.errors import DaemonError
-from kvdata.tiers.push import push
+from kvdata.sync.push import push
 
 from helpers.common import free_port
 from helpers.daemon import Kit, build_dataset

@@ -13,7 +13,7 @@ from pathlib import Path
 from kvdata.format.codec import file_sha256
 from kvdata.homes import open_home
 from kvdata.store.generation import read_manifest
-from kvdata.tiers.mirror import mirror
+from kvdata.sync.mirror import mirror
 
 from helpers.servers import S3Server, build_dataset, push_s3
 

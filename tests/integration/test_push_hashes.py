@@ -26,7 +26,7 @@ from kvdata.errors import ChecksumMismatchError
 from kvdata.homes import open_home
 from kvdata.homes.local import SHA256_XATTR, LocalHome
 from kvdata.homes.s3_home import S3Home
-from kvdata.tiers.push import push
+from kvdata.sync.push import push
 
 from helpers.servers import S3Server, tiers_config
 

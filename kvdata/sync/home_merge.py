@@ -45,8 +45,8 @@ from ..homes import Home, ObjectInfo, is_url, open_home
 from ..store.index import load_array
 from ..store.merge import merge as merge_local
 from ..store.merge_plan import PartIndex, merged_shards, plan_merge, write_merged_index
+from ..tiers.records import RecordReader
 from .mirror import MAX_MANIFEST_BYTES, fetch_exact
-from .records import RecordReader
 
 COPIES_IN_FLIGHT = 16  # server-side copies at once (each is the store's work, not this process's)
 
@@ -73,7 +73,7 @@ def merge(parts: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str],
 
 
 @dataclass
-class _Part:
+class _HomePart:
     url: str
     home: Home
     manifest: Manifest
@@ -117,7 +117,7 @@ def _merge(homes: list[Home], out: Home, tmp: Path, progress: bool | None, copy_
            t0: float) -> dict[str, Any]:
     """Load and check everything, then write: shard copies, index files, the manifest last."""
     downloaded = 0
-    loaded: list[_Part] = []
+    loaded: list[_HomePart] = []
     for i, home in enumerate(homes):
         part, n = _load(home, tmp / f"p{i}")
         loaded.append(part)
@@ -196,7 +196,7 @@ def _check_urls(parts: Sequence[str], dest: str) -> None:
 # ---------------------------------------------------------------- the parts (hostile input)
 
 
-def _load(home: Home, tmp: Path) -> tuple[_Part, int]:
+def _load(home: Home, tmp: Path) -> tuple[_HomePart, int]:
     """A part's manifest (validated) and index files (checked against the sha256 its manifest
     gives), with the number of bytes read."""
     url = home.url
@@ -225,7 +225,7 @@ def _load(home: Home, tmp: Path) -> tuple[_Part, int]:
         arr = load_array(tmp / r.name, fmt.HASH_DTYPE, 2 * r.count)
         runs.append((arr[:r.count], arr[r.count:]))
     part = PartIndex(url, m, samples, records, tuple(runs), fix)
-    return _Part(url, home, m, part, RecordReader(home)), n
+    return _HomePart(url, home, m, part, RecordReader(home)), n
 
 
 def _zst(e: ShardEntry) -> Any:
@@ -237,7 +237,7 @@ def _shard_object(e: ShardEntry) -> str:
     return f"{names.SHARDS_DIR}/{_zst(e).name}"
 
 
-def _check_sources(parts: list[_Part]) -> dict[tuple[int, int], ObjectInfo]:
+def _check_sources(parts: list[_HomePart]) -> dict[tuple[int, int], ObjectInfo]:
     """Every cold copy a part's manifest names is at its home with the size it gives and, where
     the home recorded one, the sha256: a manifest that lies is refused before anything is written."""
     jobs = [(i, e) for i, p in enumerate(parts) for e in p.manifest.shards]
@@ -263,7 +263,7 @@ def _check_sources(parts: list[_Part]) -> dict[tuple[int, int], ObjectInfo]:
     return {(i, e.id): got for (i, e), got in zip(jobs, infos)}
 
 
-def _keys(p: _Part, pairs: Sequence[tuple[int, int]]) -> list[str]:
+def _keys(p: _HomePart, pairs: Sequence[tuple[int, int]]) -> list[str]:
     """The keys of a part's records at (shard, slot), read record by record from its cold copies
     (frames checked against the seek table its manifest names)."""
     by_shard: dict[int, list[int]] = {}
@@ -312,7 +312,7 @@ def _read_sha256(home: Home, name: str, size: int) -> str:
     return h.hexdigest()
 
 
-def _copy_shards(out: Home, parts: list[_Part], copies: list[tuple[int, ShardEntry, ShardEntry]],
+def _copy_shards(out: Home, parts: list[_HomePart], copies: list[tuple[int, ShardEntry, ShardEntry]],
                  sources: dict[tuple[int, int], ObjectInfo], progress: bool | None, options: dict[str, int]) -> None:
     """The cold copies, copied by the home itself, several at once (each pinned to the source
     object `_check_sources` checked)."""
