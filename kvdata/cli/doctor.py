@@ -1,5 +1,5 @@
 """`kvdata doctor [DATASET] [--need RATE] [--json]`: what this box can feed a job, measured
-(the work is kvdata.reader.doctor and doctor_measure; this module parses and prints).
+(the work is kvdata.doctor: diagnose and measure; this module parses and prints).
 
 Exit status: 0 when the measurements ran (and with --need, the rate fits); 1 when --need
 would starve, the dataset cannot be read with this config (say, a tier smaller than a shard),
@@ -20,7 +20,7 @@ def _need(ctx: click.Context, param: click.Parameter, value: str | None) -> floa
     """--need as samples/s, checked before anything is measured."""
     if value is None:
         return None
-    from ..reader.doctor import parse_rate
+    from ..doctor.diagnose import parse_rate
 
     try:
         return parse_rate(value)
@@ -39,8 +39,8 @@ def doctor(dataset: str | None, need: float | None, as_json: bool, quick: bool) 
     """Measure memcpy, each tier's read bandwidth and, with DATASET, its home's latency and
     bandwidth and the samples/s the reader gets; with --need, whether that rate would starve.
     Takes about 10 s."""
-    from ..reader.doctor import run_doctor, text_report
-    from ..reader.doctor_measure import FULL, QUICK
+    from ..doctor.diagnose import run_doctor, text_report
+    from ..doctor.measure import FULL, QUICK
 
     if need is not None and dataset is None:
         raise click.UsageError("--need needs a DATASET: its bytes per sample turn the rate into bandwidth")

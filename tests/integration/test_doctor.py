@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import kvdata
+from kvdata.doctor.diagnose import diagnose, parse_rate
 from kvdata.errors import InvalidValueError
-from kvdata.reader.doctor import diagnose, parse_rate
 
 from helpers.cli import Cli
 from helpers.daemon import Kit

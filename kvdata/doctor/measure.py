@@ -1,10 +1,10 @@
-"""The measurements of `kvdata doctor` (kvdata.reader.doctor): each link of the chain that feeds a
+"""The measurements of `kvdata doctor` (kvdata.doctor): each link of the chain that feeds a
 training job, measured on this box -- memcpy of a large buffer, a tier directory's read bandwidth
 (O_DIRECT where the filesystem allows it, so the page cache does not flatter a disk), the home's
 latency and bandwidth (ranged reads of one shard), and the samples/s of `kvdata.open` +
 `get_batch` of random batches on one thread.
 
-Its own module because these only measure; doctor.py turns the numbers into a verdict and words.
+Its own module because these only measure; diagnose.py turns the numbers into a verdict and words.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from ..config import Config
 from ..format.manifest import ShardEntry
 from ..homes import open_home
-from .open import open_dataset
+from ..reader.open import open_dataset
 
 __all__ = ["Sizes", "QUICK", "FULL", "memcpy_bandwidth", "directory_read", "home_probe", "reader_rate"]
 

@@ -12,9 +12,9 @@ only what the tiers or the page cache cannot keep) -- and names the smallest one
 setting that would lift it.
 
 Numbers, not advice from a table: every capacity comes from a measurement made in this run
-(reader.doctor_measure makes them; this module runs them and gives the verdict).
-This module lives in the reader layer because it reads through `kvdata.open`; it does not
-import torch.
+(measure.py makes them; this module runs them and gives the verdict). The doctor is a
+package above the reader (it reads through `kvdata.open` and the daemon client) and beside the
+CLI, whose `kvdata doctor` only parses and prints; it does not import torch.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 from ..config import Config, load_config
 from ..errors import ConfigError, InvalidValueError
 from ..homes import is_url
-from .daemon_client import DaemonStager
-from .doctor_measure import FULL, Sizes, directory_read, home_probe, memcpy_bandwidth, reader_rate
-from .open import open_dataset
+from ..reader.daemon_client import DaemonStager
+from ..reader.open import open_dataset
+from .measure import FULL, Sizes, directory_read, home_probe, memcpy_bandwidth, reader_rate
 
 __all__ = ["parse_rate", "diagnose", "run_doctor"]
 
