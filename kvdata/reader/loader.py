@@ -104,6 +104,7 @@ class Loader:
         self._consumed = 0          # batches the loop has received this epoch
         self._start_at = 0          # where the next iteration starts (load_state_dict)
         self._skip = 0              # ... by skipping that many batches of a sampler without a state of its own
+        self._finished = False      # the last iteration ran to its end: a state taken now starts epoch + 1
         self._run: RingRun | None = None
         self._store_lock = threading.Lock()   # the store's reader is used by one thread at a time
         # the ring outlives iterations: epochs reuse it, numbering batches on from the last one
@@ -124,6 +125,7 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (passed on to the sampler's set_epoch)."""
         self.epoch = int(epoch)
+        self._finished = False
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(self.epoch)
@@ -132,12 +134,20 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loop is: the epoch and the batches it has received (not those filled
-        ahead), and the sampler's own state at that point when it has one."""
+        ahead), and the sampler's own state at that point when it has one. Once an iteration
+        has run to its end (and until set_epoch), it is the next epoch's start, {"epoch":
+        epoch + 1, "batches": 0}: loading it never replays the finished epoch, and
+        `range(loader.epoch, epochs)` after load_state_dict goes on with the right one."""
+        if self._finished:
+            return {"epoch": self.epoch + 1, "batches": 0, "batch_size": self.batch_size}
         state: dict[str, Any] = {"epoch": self.epoch, "batches": self._consumed, "batch_size": self.batch_size}
         sd = getattr(self.sampler, "state_dict", None)
         if sd is not None:
+            consumed = self._consumed * self.batch_size
+            if isinstance(self.sampler, Sized):  # the epoch's last batch may be short
+                consumed = min(consumed, len(self.sampler))
             try:
-                state["sampler"] = sd(consumed=self._consumed * self.batch_size)
+                state["sampler"] = sd(consumed=consumed)
             except TypeError:
                 state["sampler"] = sd()
         return state
@@ -149,6 +159,7 @@ class Loader:
             raise ValueError(f"loader state has batch_size={state['batch_size']}, this loader {self.batch_size}; "
                              "resume with the same batch size")
         self.epoch = int(state["epoch"])
+        self._finished = False
         batches = int(state["batches"])
         load = getattr(self.sampler, "load_state_dict", None)
         if "sampler" in state and load is not None:
@@ -170,6 +181,7 @@ class Loader:
             if next(indices, None) is None:
                 break
         self._consumed, self._start_at, self._skip = self._start_at, 0, 0
+        self._finished = False
         store = self.dataset.store
         run = self._run = self._ring.run(indices, lambda slot, _j, idx: self._fill(store, slot, idx),
                                          self.threads, self.drop_last, "kvdata-loader")
@@ -178,6 +190,7 @@ class Loader:
                 j, batch = run.next()
                 if batch is END:
                     self._consumed = 0  # the epoch is done: a state taken now starts the next one
+                    self._finished = True
                     return
                 self._consumed += 1
                 if self.device is not None:
