@@ -38,7 +38,7 @@ from .. import format as fmt
 from .._util.progress import progress as make_progress
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
 from . import shared_ring
-from .arrow_sources import Plan, Source, batches, find_files, find_hf, plan_sources
+from .arrow_sources import ImportPlan, Source, batches, find_files, find_hf, plan_sources
 from .arrow_types import BYTES, IMAGE, INSTALL, BadValue, NoBytes, column_values
 from .common import summary
 from .records import check_common, decode_image, decode_workers, looks_like_image
@@ -115,7 +115,7 @@ def import_hf(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, s
 
 # ---------------------------------------------------------------- converting a batch (parent)
 
-def _convert(batch: Any, plan: Plan, src: Source, first_row: int, key_first: int, key_base: str,
+def _convert(batch: Any, plan: ImportPlan, src: Source, first_row: int, key_first: int, key_base: str,
              decode: str) -> tuple[list[Row], list[tuple[tuple[str, Any], ...]]]:
     """The rows of one batch (rows first_row.. of `src`, numbered key_first.. in generated
     keys), and for each the image bytes workers decode (empty: none)."""
@@ -346,7 +346,7 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
     return out
 
 
-def _sniff(batch: Any, sniff: set[str], kinds: dict[str, str], plan: Plan) -> None:
+def _sniff(batch: Any, sniff: set[str], kinds: dict[str, str], plan: ImportPlan) -> None:
     """Binary columns become image columns if their first value is an image file (decided at
     the first batch with a non-null value; earlier rows had only nulls, so no row differs)."""
     for name in list(sniff):

@@ -5,7 +5,7 @@ converted: Parquet files and directories, the layouts `save_to_disk` writes (a D
 state.json, a DatasetDict's splits) and the Hub's folders of Parquet/Arrow files (the
 split picked by file name), all confined to the folder given with no symlink followed;
 record batches of at most BATCH_ROWS rows read from Parquet or through a memory map from
-Arrow IPC (damage names the file); and the Plan: every source's schema checked against
+Arrow IPC (damage names the file); and the ImportPlan: every source's schema checked against
 the key, label, column and image options, with HF features (ClassLabel names, Image
 columns) taken from dataset_info.json or the schema metadata. Nothing here writes.
 """
@@ -32,7 +32,7 @@ class Source(NamedTuple):
     kind: str  # "parquet" | "arrow"
 
 
-class Plan(NamedTuple):
+class ImportPlan(NamedTuple):
     """What every source is read with (checked against each source's schema first)."""
 
     columns: list[Column]   # every column read, in schema order
@@ -256,9 +256,9 @@ def _hf_features(schema: Any) -> dict[str, Any] | None:
 
 
 def plan_sources(srcs: list[Source], *, key: str | None, label: str | None, columns: Sequence[str] | None,
-          images: Sequence[str], features: dict[str, Any] | None) -> tuple[Plan, int]:
+          images: Sequence[str], features: dict[str, Any] | None) -> tuple[ImportPlan, int]:
     """Check every source's schema against the options; (plan, total rows). Nothing is written."""
-    plan: Plan | None = None
+    plan: ImportPlan | None = None
     total = 0
     for src in srcs:
         schema, rows = _schema(src)
@@ -291,7 +291,7 @@ def _listed(names: Sequence[str]) -> str:
 
 
 def _first_plan(src: Source, schema: Any, *, key: str | None, label: str | None, columns: Sequence[str] | None,
-                images: Sequence[str], features: dict[str, Any] | None) -> Plan:
+                images: Sequence[str], features: dict[str, Any] | None) -> ImportPlan:
     names = list(schema.names)
     feats = features or {}
     class_cols = [n for n, f in feats.items() if isinstance(f, dict) and f.get("_type") == "ClassLabel"]
@@ -325,5 +325,5 @@ def _first_plan(src: Source, schema: Any, *, key: str | None, label: str | None,
         got = feats[label].get("names")
         if isinstance(got, list) and all(isinstance(c, str) for c in got):
             classes = list(got)
-    return Plan(cols, stored, key, label, classes, features,
-                {n: str(schema.field(n).type) for n in names if n in wanted})
+    return ImportPlan(cols, stored, key, label, classes, features,
+                      {n: str(schema.field(n).type) for n in names if n in wanted})
