@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from .imports import _write_options, changes, existing_mode, import_group
+from .imports_formats import field_option
 from .output import print_json
 
 MAX_BAD_SHOWN = 20  # bad records listed on stderr by the text report (--json lists them all)
@@ -18,6 +19,8 @@ MAX_BAD_SHOWN = 20  # bad records listed on stderr by the text report (--json li
 
 def _arrow_options(f: Any) -> Any:
     """What both commands share: columns, key, label, images, workers, --skip-bad."""
+    f = field_option("column", "the label column 'label', the one image column 'image'; the --key column is "
+                     "the key, not also a field")(f)
     f = click.option("--skip-bad", is_flag=True,
                      help="Leave out records that cannot be imported (listed by key) instead of failing.")(f)
     f = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
@@ -29,7 +32,8 @@ def _arrow_options(f: Any) -> Any:
                           "binary columns whose first value is an image are found by themselves). Repeatable.")(f)
     f = click.option("--columns", metavar="A,B,...", help="Keep only these columns as fields (default: all).")(f)
     f = click.option("--label", metavar="COLUMN",
-                     help="Integer column for the index label (default: the ClassLabel column, if one).")(f)
+                     help="Integer column for the label, stored as the field 'label' (default: the ClassLabel "
+                          "column, else an integer column named 'label', if any).")(f)
     f = click.option("--key", metavar="COLUMN", help="Column whose values are the record keys (default: generated).")(f)
     return f
 
@@ -60,13 +64,13 @@ def _report(summary: dict[str, Any], as_json: bool) -> None:
 @_write_options
 def import_parquet(src: tuple[str, ...], dataset: str, key: str | None, label: str | None, columns: str | None,
                    images: tuple[str, ...], decode: str, workers: int, skip_bad: bool, shard_size: str | None,
-                   compress: bool, append: bool, overwrite: bool, as_json: bool) -> None:
+                   compress: bool, append: bool, overwrite: bool, as_json: bool, fields: tuple[str, ...]) -> None:
     """Parquet files (or directories of *.parquet): one record per row, one field per column."""
     from ..importers.arrow import import_parquet as run
 
     _report(run(list(src), dataset, key=key, label=label, columns=_columns(columns), images=images, decode=decode,
                 workers=workers, skip_bad=skip_bad, shard_size=shard_size, compress=compress,
-                existing=existing_mode(append, overwrite)), as_json)
+                existing=existing_mode(append, overwrite), fields=fields), as_json)
 
 
 @import_group.command("hf")
@@ -77,10 +81,10 @@ def import_parquet(src: tuple[str, ...], dataset: str, key: str | None, label: s
 @_write_options
 def import_hf(src: str, dataset: str, split: str | None, key: str | None, label: str | None, columns: str | None,
               images: tuple[str, ...], decode: str, workers: int, skip_bad: bool, shard_size: str | None,
-              compress: bool, append: bool, overwrite: bool, as_json: bool) -> None:
+              compress: bool, append: bool, overwrite: bool, as_json: bool, fields: tuple[str, ...]) -> None:
     """A Hugging Face dataset saved with save_to_disk, or a folder of its Parquet/Arrow files."""
     from ..importers.arrow import import_hf as run
 
     _report(run(src, dataset, split=split, key=key, label=label, columns=_columns(columns), images=images,
                 decode=decode, workers=workers, skip_bad=skip_bad, shard_size=shard_size, compress=compress,
-                existing=existing_mode(append, overwrite)), as_json)
+                existing=existing_mode(append, overwrite), fields=fields), as_json)

@@ -25,7 +25,15 @@ def _report(summary: dict[str, Any], as_json: bool) -> None:
         print_json(summary)
     else:
         click.echo(f"imported {summary['imported']} records into {summary['dataset']} ({changes(summary)}; "
-                   f"{summary['skipped']} skipped) in {summary['seconds']:.1f} s ({summary['records_per_s']:.0f} records/s)")
+                   f"{summary['classes']} classes, {summary['skipped']} skipped) in {summary['seconds']:.1f} s "
+                   f"({summary['records_per_s']:.0f} records/s)")
+
+
+def field_option(what: str, example: str) -> Any:
+    """--field SRC=DST, repeatable: the one way every importer renames a source's fields."""
+    return click.option("--field", "fields", multiple=True, metavar="SRC=DST",
+                        help=f"Store {what} SRC as the field DST (DST '-': leave it out). Repeatable. By default "
+                             f"images are the field 'image' and labels 'label' ({example}).")
 
 
 def _record_options(f: Any) -> Any:
@@ -44,16 +52,19 @@ def _record_options(f: Any) -> Any:
 @click.argument("dataset", type=click.Path())
 @click.option("--max-member-size", default="256MB", show_default=True,
               help="Refuse tar members larger than this.")
+@field_option("member extension", "--field seg.png=mask")
 @_record_options
 @_write_options
 def import_wds(src: tuple[str, ...], dataset: str, max_member_size: str, decode: str, workers: int, skip_bad: bool,
-               shard_size: str | None, compress: bool, append: bool, overwrite: bool, as_json: bool) -> None:
-    """WebDataset tar shards (files or directories of .tar): each key.ext group is one record, a field per ext."""
+               shard_size: str | None, compress: bool, append: bool, overwrite: bool, as_json: bool,
+               fields: tuple[str, ...]) -> None:
+    """WebDataset tar shards (files or directories of .tar): each key.ext group is one record, a field per ext
+    (jpg/png/... members are the field 'image', cls the field 'label' and the label)."""
     from ..importers.wds import import_wds as run
 
     _report(run(list(src), dataset, decode=decode, workers=workers, skip_bad=skip_bad,
                 max_member_size=max_member_size, shard_size=shard_size, compress=compress,
-                existing=existing_mode(append, overwrite)), as_json)
+                existing=existing_mode(append, overwrite), fields=fields), as_json)
 
 
 @import_group.command("tfrecord")
@@ -62,14 +73,16 @@ def import_wds(src: tuple[str, ...], dataset: str, max_member_size: str, decode:
 @click.option("--key", "key_feature", metavar="FEATURE",
               help="Feature holding each record's key (default: FILE/RECORD_NUMBER).")
 @click.option("--max-record-size", default="256MB", show_default=True, help="Refuse records larger than this.")
+@field_option("feature", "--field image/object/bbox=boxes")
 @_record_options
 @_write_options
 def import_tfrecord(src: tuple[str, ...], dataset: str, key_feature: str | None, max_record_size: str, decode: str,
                     workers: int, skip_bad: bool, shard_size: str | None, compress: bool, append: bool,
-                    overwrite: bool, as_json: bool) -> None:
-    """TFRecord files of tf.train.Example (no TensorFlow needed; CRCs checked): a field per feature."""
+                    overwrite: bool, as_json: bool, fields: tuple[str, ...]) -> None:
+    """TFRecord files of tf.train.Example (no TensorFlow needed; CRCs checked): a field per feature
+    (image/encoded is the field 'image', image/class/label the field 'label' and the label)."""
     from ..importers.tfrecord import import_tfrecord as run
 
     _report(run(list(src), dataset, decode=decode, key_feature=key_feature, workers=workers, skip_bad=skip_bad,
                 max_record_size=max_record_size, shard_size=shard_size, compress=compress,
-                existing=existing_mode(append, overwrite)), as_json)
+                existing=existing_mode(append, overwrite), fields=fields), as_json)

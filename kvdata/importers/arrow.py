@@ -30,7 +30,7 @@ import mmap
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,7 +40,7 @@ from ..errors import ConfigError, InvalidKeyError, InvalidValueError
 from . import shared_ring
 from .arrow_sources import ImportPlan, Source, batches, find_files, find_hf, plan_sources
 from .arrow_types import BYTES, IMAGE, INSTALL, BadValue, NoBytes, column_values
-from .common import summary
+from .common import DROP, IMAGE_FIELD, LABEL_FIELD, parse_fields, rename, summary
 from .records import check_common, decode_image, decode_workers, looks_like_image
 from .target import Target, import_entry, open_target, refuse_existing, start_pool
 
@@ -66,7 +66,8 @@ def import_parquet(sources: Sequence[str | os.PathLike[str]], dataset: str | os.
                    key: str | None = None, label: str | None = None, columns: Sequence[str] | None = None,
                    images: Sequence[str] = (), decode: str = "none", workers: int = 0, skip_bad: bool = False,
                    shard_size: int | str | None = None, compress: bool = False,
-                   progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
+                   progress: bool | None = None, existing: str = "refuse",
+                   fields: Sequence[str] | Mapping[str, str] | None = None) -> dict[str, Any]:
     """Import Parquet files (files, or directories searched for *.parquet) into `dataset`.
 
     Keys come from the `key` column, else "<file name without .parquet>/<row:09d>". `label`
@@ -86,7 +87,8 @@ def import_parquet(sources: Sequence[str | os.PathLike[str]], dataset: str | os.
     srcs = [Source(p, n, "parquet") for p, n in files]
     return _import(srcs, dataset, kind="parquet", split=None, key=key, label=label, columns=columns,
                    images=images, decode=decode, workers=workers, skip_bad=skip_bad, shard_size=shard_size,
-                   compress=compress, progress=progress, started=started, features=None, existing=existing)
+                   compress=compress, progress=progress, started=started, features=None, existing=existing,
+                   fields=fields)
 
 
 @import_entry
@@ -94,7 +96,8 @@ def import_hf(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, s
               key: str | None = None, label: str | None = None, columns: Sequence[str] | None = None,
               images: Sequence[str] = (), decode: str = "none", workers: int = 0, skip_bad: bool = False,
               shard_size: int | str | None = None, compress: bool = False,
-              progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
+              progress: bool | None = None, existing: str = "refuse",
+              fields: Sequence[str] | Mapping[str, str] | None = None) -> dict[str, Any]:
     """Import a Hugging Face dataset saved with `save_to_disk` (a Dataset, or one `split` of a
     DatasetDict), or a folder of Parquet/Arrow files (`split` keeps the files named for it).
 
@@ -110,7 +113,7 @@ def import_hf(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *, s
     srcs, split, features = find_hf(Path(src), split)
     return _import(srcs, dataset, kind="hf", split=split, key=key, label=label, columns=columns, images=images,
                    decode=decode, workers=workers, skip_bad=skip_bad, shard_size=shard_size, compress=compress,
-                   progress=progress, started=started, features=features, existing=existing)
+                   progress=progress, started=started, features=features, existing=existing, fields=fields)
 
 
 # ---------------------------------------------------------------- converting a batch (parent)
@@ -263,9 +266,15 @@ def _check_options(decode: str, workers: Any, shard_size: int | str | None, kind
 def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, split: str | None, key: str | None,
             label: str | None, columns: Sequence[str] | None, images: Sequence[str], decode: str, workers: int,
             skip_bad: bool, shard_size: int | str | None, compress: bool, progress: bool | None, started: float,
-            features: dict[str, Any] | None, existing: str) -> dict[str, Any]:
+            features: dict[str, Any] | None, existing: str,
+            fields: Sequence[str] | Mapping[str, str] | None = None) -> dict[str, Any]:
     """Read every source batch by batch, put each good row, commit once; the summary."""
+    user_names = parse_fields(fields)
     plan, total = plan_sources(srcs, key=key, label=label, columns=columns, images=images, features=features)
+    for src_name in user_names:
+        if src_name not in plan.stored:
+            raise ConfigError(f"--field {src_name}=...: no column {src_name!r} is stored; the columns are "
+                              f"{', '.join(map(repr, plan.stored))}")
     names = [c.name for c in plan.columns]
     bad: list[tuple[str, str, str]] = []  # (key or "", where, why)
     seen: set[str] = set()
@@ -276,8 +285,24 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
     decoder: Decoder | None = None
     bar: Any = None
 
+    def field_names() -> dict[str, str]:
+        """{column: field}: the label column is "label", the one image column "image" (common.py);
+        --field over that. Asked per batch: a binary column is found to hold images at its first
+        value (_sniff)."""
+        out = {} if plan.label is None else {plan.label: LABEL_FIELD}
+        imgs = [c.name for c in plan.columns if kinds[c.name] == IMAGE and c.name in plan.stored]
+        if len(imgs) == 1:
+            out[imgs[0]] = IMAGE_FIELD
+        out.update(user_names)
+        try:
+            rename(dict.fromkeys(plan.stored), out)
+        except ValueError as e:
+            raise ConfigError(str(e).replace("fields", "columns", 1)) from None
+        return out
+
     def put(target: Target, rows: list[Row], decoded: list[dict[str, Any] | str]) -> None:
         nonlocal n
+        names = field_names()
         for row, dec in zip(rows, decoded):
             bar.update(1)
             problem = row.bad or (dec if isinstance(dec, str) else None)
@@ -295,6 +320,7 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
             if not target.wants(row.key):
                 continue
             value = {c: dec[c] if c in dec else row.fields[c] for c in plan.stored} if dec else row.fields
+            value = rename(value, names)
             target.put(row.key, value, label=row.label)  # fields in column order, images decoded
             if row.label is not None:
                 labels.add(row.label)
@@ -326,6 +352,7 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
                 put(target, waiting[0], waiting[1].get())
             if n == 0 and not target.kept:
                 raise InvalidValueError(f"no record could be imported ({len(bad)} bad); nothing was written")
+            classes = len(plan.classes) if plan.classes is not None else target.number_classes(labels)
             target.store.set_extra(EXTRA_KEY, {
                 "kind": kind, "split": split, "rows": n, "schema": plan.schema,
                 "features": None if plan.features is None else json.dumps(plan.features, sort_keys=True),
@@ -336,12 +363,13 @@ def _import(srcs: list[Source], dataset: str | os.PathLike[str], *, kind: str, s
             bar.close()
         if decoder is not None:
             decoder.close()
-    out = summary(dataset, n, len(bad), len(plan.classes) if plan.classes is not None else len(labels), started,
-                  counts=target.counts())
+    out = summary(dataset, n, len(bad), classes, started, counts=target.counts())
     out["bad"] = [{"key": k, "where": w, "error": e} for k, w, e in bad[:MAX_BAD_LISTED]]
     out["records_per_s"] = round(n / max(time.perf_counter() - started, 1e-9), 1)
     stored = set(plan.stored)
-    out["columns"] = {c.name: kinds[c.name] for c in plan.columns if c.name in stored}
+    final = field_names()
+    out["columns"] = {final.get(c.name, c.name): kinds[c.name] for c in plan.columns
+                      if c.name in stored and final.get(c.name) != DROP}
     out["key"], out["label"], out["split"] = plan.key, plan.label, split
     return out
 

@@ -302,7 +302,8 @@ def _first_plan(src: Source, schema: Any, *, key: str | None, label: str | None,
     for name in images:
         if name not in names:
             raise ConfigError(f"--image {name!r}: {src.path} has no such column; its columns are {_listed(names)}")
-    stored = list(names) if columns is None else list(dict.fromkeys(columns))
+    # the key column is the key, not also a field (unless --columns names it)
+    stored = [n for n in names if n != key] if columns is None else list(dict.fromkeys(columns))
     present = set(names)
     missing = [c for c in stored if c not in present]
     if missing:
@@ -311,6 +312,11 @@ def _first_plan(src: Source, schema: Any, *, key: str | None, label: str | None,
         raise ConfigError("--columns: name at least one column to keep")
     if label is None and len(class_cols) == 1 and class_cols[0] in names:
         label = class_cols[0]
+    if label is None and not class_cols and "label" in names and key != "label" \
+            and column_of("label", schema.field("label").type, False, src.path).kind == INT:
+        label = "label"  # a plain integer column named label is the label, as in every importer
+    if label is not None and label not in stored:
+        stored.append(label)  # the label is always the field "label" too
     wanted = set(stored) | {c for c in (key, label) if c is not None}
     cols = [column_of(n, schema.field(n).type, n in image_cols, src.path) for n in names if n in wanted]
     kinds = {c.name: c.kind for c in cols}

@@ -13,7 +13,8 @@ Record mapping (kvdata stores images HWC; BatchReader makes NCHW):
 - `float_data` (when `data` is empty) -> {"image": float32 (H, W, C)}, same layout.
 - `encoded` (JPEG/PNG file bytes) -> decoded by Pillow to uint8 (H, W, C) with the
   image's own channel count (grayscale H x W x 1, RGB, RGBA; palette images become
-  RGB), or {"encoded": bytes} as stored with keep_encoded=True.
+  RGB), or its file bytes in "image" as stored with keep_encoded=True (as every importer
+  names the image, common.py).
 - every record gets "label" (int) and the index label; the key is the LMDB key
   (`%08d_<filename>` from convert_imageset), and LMDB order is the sample order.
 
@@ -98,9 +99,10 @@ def import_caffe(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *
     """Import every `Datum` record of the Caffe LMDB `src` (a directory holding data.mdb, or
     the data file itself) into `dataset`, keeping keys, key order and labels.
 
-    Encoded records are decoded to pixels unless `keep_encoded`. The summary counts
-    distinct labels as "classes"; the dataset's class names are left as they are (an
-    overwrite clears them). existing: what to do with a dataset already there ("refuse",
+    Encoded records are decoded to pixels unless `keep_encoded`. Datums carry no class
+    names, so the classes are numbered "0".."max label" (common.numbered_classes; names the
+    dataset has that cover the labels are kept) and the summary's "classes" is their count,
+    as `kvdata info` shows it. existing: what to do with a dataset already there ("refuse",
     "append", "overwrite": target.py).
     """
     started = time.perf_counter()
@@ -113,11 +115,11 @@ def import_caffe(src: str | os.PathLike[str], dataset: str | os.PathLike[str], *
     try:
         with env.begin(buffers=False) as txn:
             total = _check_source(path, env, txn, datum_type, keep_encoded)
-            labels, counts = _write(path, txn, datum_type, total, dataset, keep_encoded=keep_encoded,
+            n, classes, counts = _write(path, txn, datum_type, total, dataset, keep_encoded=keep_encoded,
                                     shard_size=shard_size, compress=compress, progress=progress, existing=existing)
     finally:
         env.close()
-    return summary(dataset, len(labels), 0, len(set(labels)), started, counts=counts)
+    return summary(dataset, n, 0, classes, started, counts=counts)
 
 
 # ---------------------------------------------------------------- the source LMDB
@@ -187,7 +189,7 @@ def datum_to_value(datum: Any, key: str, *, keep_encoded: bool = False, where: s
     label = int(datum.label)
     if datum.encoded:
         if keep_encoded:
-            return {"encoded": bytes(datum.data), "label": label}
+            return {"image": bytes(datum.data), "label": label}  # the file bytes, as every importer keeps them
         return {"image": _decode_image(datum.data, at), "label": label}
     c, h, w = int(datum.channels), int(datum.height), int(datum.width)
     if c <= 0 or h <= 0 or w <= 0:
@@ -244,9 +246,10 @@ def _decode_image(data: bytes, at: str) -> np.ndarray:
 
 def _write(path: Path, txn: Any, datum_type: Any, total: int, dataset: str | os.PathLike[str], *,
            keep_encoded: bool, shard_size: int | str | None, compress: bool, progress: bool | None,
-           existing: str) -> tuple[list[int], dict[str, Any]]:
+           existing: str) -> tuple[int, int, dict[str, Any]]:
     """Put every record in LMDB key order and commit once; on any error nothing is committed.
-    Returns the labels written and the target's counts."""
+    Returns the records written, the dataset's classes (numbered, common.numbered_classes) and
+    the target's counts."""
     labels: list[int] = []
     where = str(path)
     bar = None
@@ -263,8 +266,9 @@ def _write(path: Path, txn: Any, datum_type: Any, total: int, dataset: str | os.
                                            keep_encoded=keep_encoded, where=where)
                     target.put(key, value, label=value["label"])
                     labels.append(value["label"])
+            classes = target.number_classes(labels)
             target.commit()
     finally:
         if bar is not None:
             bar.close()
-    return labels, target.counts()
+    return len(labels), classes, target.counts()

@@ -31,7 +31,7 @@ from .._util.progress import progress as make_progress
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidValueError
 from ..reader.open import open_dataset
-from .common import summary
+from .common import numbered_classes, summary
 from .parts import is_new_local, write_in_parts
 from .target import end_pool, import_entry, open_target, refuse_existing, start_pool
 
@@ -92,9 +92,9 @@ def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike
     """Import the images named by a Caffe list file ("relative/path label" per line) into `dataset`.
 
     Files are `root`/relative/path and keys are the paths as written. The list
-    gives labels but no class names, so the dataset's classes are left as they
-    are (an overwrite clears them); the summary's "classes" counts the distinct labels.
-    existing: as for import_folder.
+    gives labels but no class names, so the dataset's classes are numbered "0".."max label"
+    (common.numbered_classes; names it already has that cover the labels are kept), and the
+    summary's "classes" is their count, as `kvdata info` shows it. existing: as for import_folder.
     """
     started = time.perf_counter()
     opts = _check_options(decode, resize, workers, shard_size)
@@ -105,9 +105,11 @@ def import_listfile(listfile: str | os.PathLike[str], dataset: str | os.PathLike
     items = parse_listfile(listfile, base)
     if not items:
         raise ConfigError(f"{listfile}: the list file names no images; write one 'relative/path label' per line")
-    n, writers, counts = _write(items, dataset, opts, classes=None, shuffle=shuffle, seed=seed, workers=workers,
-                                shard_size=shard_size, compress=compress, progress=progress, existing=existing)
-    return summary(dataset, n, 0, len({it.label for it in items}), started, writers, counts)
+    numbered = numbered_classes(it.label for it in items if it.label is not None)
+    n, writers, counts = _write(items, dataset, opts, classes=numbered, shuffle=shuffle, seed=seed, workers=workers,
+                                shard_size=shard_size, compress=compress, progress=progress, existing=existing,
+                                numbered=True)
+    return summary(dataset, n, 0, classes_of(dataset, numbered), started, writers, counts)
 
 
 # ---------------------------------------------------------------- finding the files
@@ -177,10 +179,10 @@ def parse_listfile(listfile: str | os.PathLike[str], root: Path) -> list[Item]:
 # ---------------------------------------------------------------- reading one image (runs in workers)
 
 def load_value(path: str, opts: Options) -> dict[str, Any]:
-    """The record fields of one file: its bytes, or its decoded (and resized) pixels as HWC uint8."""
+    """The record fields of one file: {"image": its bytes}, or its decoded (and resized) pixels as HWC uint8."""
     if opts.decode == "none":
         try:
-            return {"data": Path(path).read_bytes()}
+            return {"image": Path(path).read_bytes()}  # the field every importer names the image (common.py)
         except OSError as e:
             raise InvalidValueError(f"{path}: cannot read the image file ({e.strerror}); check it exists") from None
     from PIL import Image
@@ -206,6 +208,15 @@ def _load_task(task: tuple[str, Options]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- writing
+
+def classes_of(dataset: str | os.PathLike[str], fallback: list[str]) -> int:
+    """The number of classes `dataset` has after an import (what `kvdata info` shows)."""
+    try:
+        with open_dataset(dataset) as store:
+            return len(store.classes)
+    except Exception:  # noqa: BLE001 (a summary must not fail an import that committed)
+        return len(fallback)
+
 
 def _check_options(decode: str, resize: Any, workers: Any, shard_size: int | str | None) -> Options:
     """Reject bad settings before any file is touched."""
@@ -262,7 +273,7 @@ def _make_pool(workers: int) -> Any:
 
 def _write(items: list[Item], dataset: str | os.PathLike[str], opts: Options, *, classes: list[str] | None,
            shuffle: bool, seed: int, workers: int, shard_size: int | str | None, compress: bool,
-           progress: bool | None, existing: str) -> tuple[int, int, dict[str, Any] | None]:
+           progress: bool | None, existing: str, numbered: bool = False) -> tuple[int, int, dict[str, Any] | None]:
     """Put every item and commit once; on any error (or Ctrl-C) nothing of this import is committed.
     Returns (records written, writer processes, the target's counts: None for a new dataset)."""
     items = _ordered(items, shuffle, seed)
@@ -277,7 +288,9 @@ def _write(items: list[Item], dataset: str | os.PathLike[str], opts: Options, *,
         pool = _make_pool(int(workers))  # before the store opens: children inherit no LMDB handle or lock
         bar = make_progress(total=len(items), label="import", enabled=progress)
         with open_target(dataset, existing, shard_size=shard_size, compress=compress) as target:
-            if classes is not None:
+            if numbered:
+                target.number_classes(range(len(classes or ())))  # a list file's labels have no names
+            elif classes is not None:
                 target.set_classes(classes, "the class folders being imported")
             todo = [it for it in items if target.wants(it.key)]  # an append skips keys it has, undecoded
             bar.update(len(items) - len(todo))

@@ -29,7 +29,7 @@ from .._util.progress import progress as make_progress
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
 from ..reader.open import open_dataset
-from .common import summary
+from .common import numbered_classes, summary
 
 MODES = ("x", "a", "w")
 KEY_DIGITS = 10
@@ -84,6 +84,10 @@ def from_iterable(path: str | os.PathLike[str], iterable: Iterable[Mapping[str, 
                 bar.update(1)
             if not seen and not already:
                 raise InvalidValueError("the iterable yielded no items; nothing was written")
+            old, names = list(store.classes), numbered_classes(labels)  # as every importer records classes
+            if len(names) > len(old) and (not old or old == names[:len(old)]):
+                store.set_classes(names)
+            classes = len(store.classes)
             store.seal()  # read by memory-map offset right away, and can be staged and pushed
             store.commit()
     finally:
@@ -92,7 +96,7 @@ def from_iterable(path: str | os.PathLike[str], iterable: Iterable[Mapping[str, 
     # (mode "w" empties the dataset when it opens: its counts are those of a new one)
     counts = {"mode": {"x": "new", "a": "append" if already else "new", "w": "overwrite"}[mode],
               "added": len(seen) - overwritten, "overwritten": overwritten, "kept": 0, "removed": 0}
-    return summary(path, len(seen), 0, len(labels), started, counts=counts)
+    return summary(path, len(seen), 0, classes, started, counts=counts)
 
 
 def from_arrays(path: str | os.PathLike[str], fields: Mapping[str, Any] | None = None, /, *, mode: str = "x",

@@ -28,7 +28,7 @@ import multiprocessing
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,7 +38,7 @@ from .._util.progress import progress as make_progress
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidKeyError, InvalidValueError
 from . import shared_ring
-from .common import summary
+from .common import LABEL_FIELD, rename, summary
 from .target import open_target, start_pool
 
 DECODE_MODES = ("none", "rgb", "gray")
@@ -243,7 +243,8 @@ def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], d
                   total: int, pool: Workers | None, workers: int, skip_bad: bool, scan_bad: list[Bad],
                   shard_size: int | str | None, compress: bool, progress: bool | None, started: float,
                   ignored: int = 0, existing: str = "refuse",
-                  key_of: Callable[[Any], str] | None = None) -> dict[str, Any]:
+                  key_of: Callable[[Any], str] | None = None,
+                  fields: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Put every record the tasks load (in `pool`, from worker_pool, made before the dataset
     opens), in order, and commit once; return the summary.
 
@@ -252,7 +253,9 @@ def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], d
     `scan_bad` are the records the scan already refused (only passed with skip_bad);
     `ignored` counts members that are not records at all (no extension, directories).
     `existing`: see target.py; `key_of`: a task's key where the scan knows it, so an append
-    leaves out the keys the dataset has before they are read."""
+    leaves out the keys the dataset has before they are read. `fields`: {source name: field
+    name} applied to every record (common.rename); a record's label is its int field "label"
+    after that. The dataset's classes are numbered from the labels (Target.number_classes)."""
     bad = list(scan_bad)
     seen: dict[str, str] = {}
     labels: set[int] = set()
@@ -267,6 +270,8 @@ def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], d
                 tasks = wanted
             for result in _loaded(tasks, load, pool, int(workers)):
                 bar.update(1)
+                if isinstance(result, Loaded):
+                    result = _renamed(result, fields or {})
                 if isinstance(result, Loaded) and result.key in seen:
                     result = Bad(result.key, seen[result.key],
                                  f"key {result.key!r} appears twice (first in {seen[result.key]}); "
@@ -286,14 +291,26 @@ def write_records(tasks: list[Any], load: Callable[[Any], list[Loaded | Bad]], d
                 n += 1
             if n == 0 and not target.kept:
                 raise InvalidValueError(f"no record could be imported ({len(bad)} bad); nothing was written")
+            classes = target.number_classes(labels)
             target.commit()
     finally:
         if bar is not None:
             bar.close()
-    out = summary(dataset, n, len(bad) + ignored, len(labels), started, counts=target.counts())
+    out = summary(dataset, n, len(bad) + ignored, classes, started, counts=target.counts())
     out["bad"] = [{"key": b.key, "where": b.where, "error": b.reason} for b in bad[:MAX_BAD_LISTED]]
     out["records_per_s"] = round(n / max(time.perf_counter() - started, 1e-9), 1)
     return out
+
+
+def _renamed(r: Loaded, names: Mapping[str, str]) -> Loaded | Bad:
+    """The record with its fields renamed, its label the int field "label"; or why it cannot be."""
+    try:
+        value = rename(r.value, names)
+    except ValueError as e:
+        return Bad(r.key, r.where, str(e))
+    label = value.get(LABEL_FIELD)
+    ok = isinstance(label, (int, np.integer)) and not isinstance(label, (bool, np.bool_))
+    return r._replace(value=value, label=int(label) if ok else None)  # type: ignore[arg-type]
 
 
 def open_same(path: str, ident: tuple[int, int]) -> int:

@@ -35,7 +35,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ from ..errors import ConfigError
 from ..format import names
 from ..reader.open import open_dataset
 from ..store import Store
+from .common import numbered_classes
 
 EXISTING = ("refuse", "append", "overwrite")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -201,6 +202,18 @@ class Target:
             raise ConfigError(f"{self.dest} already has classes {old[:5]}{'...' if len(old) > 5 else ''} that differ "
                               f"from {what}; import into a new dataset or pass --overwrite")
         self.store.set_classes(classes)
+
+    def number_classes(self, labels: Iterable[int]) -> int:
+        """Record classes for labels that came without names, the one way every importer does
+        (kvdata.importers.common.numbered_classes): "0".."max" unless the dataset's class names
+        already cover every label. Returns the number of classes the dataset then has (what the
+        import's summary reports, and `kvdata info` shows)."""
+        old = list(self.store.classes)
+        names = numbered_classes(labels)
+        if len(names) > len(old) and (not old or old == names[:len(old)]):
+            self.store.set_classes(names)  # longer numbered names (an append's new labels) replace shorter
+            return len(names)
+        return len(old)
 
     def commit(self) -> int:
         """Seal and commit: the import's point of no return (commit_begins)."""

@@ -21,7 +21,10 @@ the feature:
 - bytes_list: one value -> bytes (or, with decode="rgb"/"gray" and bytes that start like
   an image file, HWC uint8 pixels); several values -> fields "name[0]", "name[1]", ...;
   none -> b"".
-A feature named "label" holding one int is also the index label. Keys come from a
+By default the features TensorFlow's image datasets use are named as every importer names
+them (common.py): "image/encoded" is the field "image" and "image/class/label" the field
+"label"; `fields` (`--field FEATURE=NAME`) maps any feature to another name. The field
+"label" holding one int is also the index label. Keys come from a
 feature (key_feature: one bytes value in UTF-8, or one int) or are "<file name>/<record
 number, 8 digits>".
 """
@@ -32,6 +35,7 @@ import functools
 import os
 import struct
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,6 +43,7 @@ import numpy as np
 
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidValueError
+from .common import IMAGE_FIELD, LABEL_FIELD, parse_fields
 from .records import Bad, Loaded, check_common, decode_image, key_problem, looks_like_image, open_same, worker_pool, write_records
 from .target import import_entry, refuse_existing
 
@@ -48,6 +53,8 @@ RECORDS_PER_TASK = 64
 _MASK_DELTA = 0xA282EAD8
 _HEAD = struct.Struct("<QI")
 _CRC = struct.Struct("<I")
+# What features are called by default: the README's field names (common.py).
+DEFAULT_FIELDS = {"image/encoded": IMAGE_FIELD, "image/class/label": LABEL_FIELD}
 
 
 def _crc_table() -> tuple[int, ...]:
@@ -156,11 +163,15 @@ class Task(NamedTuple):
 def import_tfrecord(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike[str], *,
                     decode: str = "none", key_feature: str | None = None, workers: int = 0, skip_bad: bool = False,
                     max_record_size: int | str = DEFAULT_MAX_RECORD, shard_size: int | str | None = None,
-                    compress: bool = False, progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
+                    compress: bool = False, progress: bool | None = None, existing: str = "refuse",
+                    fields: Sequence[str] | Mapping[str, str] | None = None) -> dict[str, Any]:
     """Import the Example records of TFRecord files (or of every file in a directory, in name
     order) into `dataset`, in file order. Returns the summary (with "bad" as in import_wds).
-    existing: what to do with a dataset already there ("refuse", "append", "overwrite": target.py)."""
+    existing: what to do with a dataset already there ("refuse", "append", "overwrite": target.py).
+    fields: {feature: field name} (or "FEATURE=NAME" strings) over DEFAULT_FIELDS; the key
+    feature is the key, not also a field."""
     started = time.perf_counter()
+    field_names = {**DEFAULT_FIELDS, **parse_fields(fields)}
     check_common(decode, workers, shard_size, INSTALL_HINT)
     refuse_existing(dataset, existing)
     limit = parse_size(max_record_size, "max_record_size")
@@ -189,7 +200,7 @@ def import_tfrecord(sources: list[str | os.PathLike[str]], dataset: str | os.Pat
     with worker_pool(workers, decode) as pool:
         return write_records(tasks, load_task, dataset, total=total, pool=pool, workers=workers, skip_bad=skip_bad,
                              scan_bad=scan_bad, shard_size=shard_size, compress=compress, progress=progress,
-                             started=started, existing=existing)
+                             started=started, existing=existing, fields=field_names)
 
 
 def find_files(sources: list[str | os.PathLike[str]]) -> list[str]:
@@ -305,7 +316,7 @@ def _record(example_type: Any, data: bytes, key: str, where: str, task: Task) ->
     except InvalidValueError as e:
         return Bad(key, where, str(e))
     if task.key_feature is not None:
-        k = value.get(task.key_feature)
+        k = value.pop(task.key_feature, None)
         if isinstance(k, bytes):
             try:
                 k = k.decode("utf-8")

@@ -3,11 +3,15 @@
 WebDataset's grouping rule is kept: a member `dir/sample.seg.png` has key `dir/sample`
 (the name up to the first dot of its last component) and extension `seg.png`, and
 consecutive members with the same key form one sample. Each extension becomes a field
-named by it, typed by its last part (`seg.png` is an image):
+named by it, typed by its last part (`seg.png` is an image), except that by default an image
+member with a plain image extension (`jpg`, `png`, ...) is the field `image` and `cls` (or
+`label`) the field `label`, as every importer names them (common.py); `fields`
+(`--field EXT=NAME`) maps any extension to another name, or keeps one (`--field png=png`).
+A record with two image members (`jpg` and `png`) needs one of them mapped elsewhere.
 
 - images (.jpg .jpeg .png .bmp .gif .webp .ppm .tif .tiff): the file bytes, or with
   decode="rgb"/"gray" raw HWC uint8 pixels (as the folder importer stores them);
-- .cls .cls2 .index: the integer the text holds (a `cls` field is also the index label);
+- .cls .cls2 .index .label: the integer the text holds (the field `label` is also the index label);
 - .txt .text: str (UTF-8); .json: the JSON text as str, checked to parse;
 - .npy: the array (np.load without pickle);
 - anything else: bytes.
@@ -33,6 +37,7 @@ import os
 import re
 import tarfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,16 +45,19 @@ import numpy as np
 
 from .._util.sizes import parse_size
 from ..errors import ConfigError, InvalidValueError
+from .common import IMAGE_FIELD, LABEL_FIELD, parse_fields
 from .records import Bad, Loaded, check_common, decode_image, key_problem, map_ordered, open_same, worker_pool, write_records
 from .target import import_entry, refuse_existing
 
 INSTALL_HINT = "pip install 'kvdata[images]'"
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "bmp", "gif", "webp", "ppm", "tif", "tiff"})
-INT_EXTENSIONS = frozenset({"cls", "cls2", "index"})
+INT_EXTENSIONS = frozenset({"cls", "cls2", "index", "label"})
 TEXT_EXTENSIONS = frozenset({"txt", "text"})
 DEFAULT_MAX_MEMBER = "256MB"
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext
 _BLOCK = tarfile.BLOCKSIZE
+# What members are called by default: the README's field names (common.py).
+DEFAULT_FIELDS = {**{ext: IMAGE_FIELD for ext in sorted(IMAGE_EXTENSIONS)}, "cls": LABEL_FIELD}
 
 
 class Group(NamedTuple):
@@ -73,13 +81,16 @@ class TarDamaged(InvalidValueError):
 def import_wds(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike[str], *, decode: str = "none",
                workers: int = 0, skip_bad: bool = False, max_member_size: int | str = DEFAULT_MAX_MEMBER,
                shard_size: int | str | None = None, compress: bool = False,
-               progress: bool | None = None, existing: str = "refuse") -> dict[str, Any]:
+               progress: bool | None = None, existing: str = "refuse",
+               fields: Sequence[str] | Mapping[str, str] | None = None) -> dict[str, Any]:
     """Import WebDataset tar shards (files, or directories whose *.tar files are taken in name
     order) into `dataset`, one record per key group, in tar order. Returns the summary
     (kvdata.importers.common.summary plus "bad": the records left out with skip_bad).
-    existing: what to do with a dataset already there ("refuse", "append", "overwrite": target.py)."""
+    existing: what to do with a dataset already there ("refuse", "append", "overwrite": target.py).
+    fields: {extension: field name} (or "EXT=NAME" strings) over DEFAULT_FIELDS."""
     started = time.perf_counter()
     check_common(decode, workers, shard_size, INSTALL_HINT)
+    names = {**DEFAULT_FIELDS, **parse_fields(fields)}
     refuse_existing(dataset, existing)
     limit = parse_size(max_member_size, "max_member_size")
     tars = find_tars(sources)
@@ -107,7 +118,7 @@ def import_wds(sources: list[str | os.PathLike[str]], dataset: str | os.PathLike
         return write_records(groups, load_group, dataset, total=len(groups), pool=pool, workers=workers,
                              skip_bad=skip_bad, scan_bad=scan_bad, shard_size=shard_size, compress=compress,
                              progress=progress, started=started, ignored=ignored, existing=existing,
-                             key_of=_group_key)
+                             key_of=_group_key, fields=names)
 
 
 # ---------------------------------------------------------------- finding and scanning tars
@@ -262,7 +273,6 @@ def scan_tar(tar: str, limit: int, decode: str = "none") -> tuple[list[Group], l
 def load_group(g: Group) -> list[Loaded | Bad]:
     """The record of one group, or why it is bad (never raises for bad input)."""
     value: dict[str, Any] = {}
-    label: int | None = None
     try:
         fd = open_same(g.tar, g.ident)
     except OSError as e:
@@ -282,10 +292,7 @@ def load_group(g: Group) -> list[Loaded | Bad]:
         return [Bad(g.key, g.where, f"cannot read the tar ({e.strerror})")]
     finally:
         os.close(fd)
-    cls = value.get("cls")
-    if isinstance(cls, int):
-        label = cls
-    return [Loaded(g.key, value, label, g.where)]
+    return [Loaded(g.key, value, None, g.where)]  # the label: write_records, after renaming
 
 
 def _field_value(ext: str, data: bytes, decode: str) -> Any:
