@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-import kvdata
+torch = pytest.importorskip("torch", reason="the README's training loop needs torch (pip install -e '.[test]')")
+pytest.importorskip("sklearn", reason="the README's digits.kv needs scikit-learn (pip install -e '.[test]')")
 
-from helpers import doc_blocks
+import kvdata  # noqa: E402 -- after the skips
+
+from helpers import doc_blocks  # noqa: E402
 
 README = doc_blocks.ROOT / "README.md"
 BATCH, EPOCHS = 64, 3
