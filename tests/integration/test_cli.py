@@ -318,9 +318,9 @@ def test_import_folder(cli: Cli, tmp_path: Path) -> None:
     rows = cli.ok("ls", ds, "--json").json()
     assert sorted(r["key"] for r in rows) == sorted(pixels)
     assert all(r["label"] == (0 if r["key"].startswith("cat/") else 1) for r in rows)
-    assert cli.ok("get", ds, "dog/1.png", "--field", "data").out == (src / "dog/1.png").read_bytes()
+    assert cli.ok("get", ds, "dog/1.png", "--field", "image").out == (src / "dog/1.png").read_bytes()
     with kvdata.open(ds) as store:
-        assert {k: bytes(store[k]["data"]) for k in store.keys()} == {k: (src / k).read_bytes() for k in pixels}
+        assert {k: bytes(store[k]["image"]) for k in store.keys()} == {k: (src / k).read_bytes() for k in pixels}
     info = cli.ok("info", ds, "--json").json()
     assert info["classes"] == 2 and info["labelled"] is True and info["sealed_shards"] == 1
     # decoded pixels, in a second dataset
@@ -342,10 +342,11 @@ def test_import_listfile(cli: Cli, tmp_path: Path) -> None:
     listfile.write_text("".join(f"{k} {v}\n" for k, v in listed.items()))
     ds = tmp_path / "ds"
     summary = cli.ok("import", "listfile", listfile, ds, "--root", root, "--no-shuffle", "--json").json()
-    assert summary["imported"] == 3 and summary["classes"] == 2
+    assert summary["imported"] == 3 and summary["classes"] == 6  # labels 0 and 5: classes "0".."5"
+    assert cli.ok("info", ds, "--json").json()["classes"] == 6
     rows = cli.ok("ls", ds, "--json").json()
     assert [(r["key"], r["label"]) for r in rows] == list(listed.items())
-    assert cli.ok("get", ds, "dog/1.png", "--field", "data").out == (root / "dog/1.png").read_bytes()
+    assert cli.ok("get", ds, "dog/1.png", "--field", "image").out == (root / "dog/1.png").read_bytes()
     ds2 = tmp_path / "ds2"
     cli.ok("import", "listfile", listfile, ds2, "--root", root, "--decode", "rgb", "--resize", "2x2")
     meta = cli.ok("get", ds2, "cat/0.png", "--json").json()
@@ -377,6 +378,8 @@ def test_demo_json(demo_run: tuple[Any, list[str]]) -> None:
     assert [x["dataset"] for x in summary["results"]] == ["digits", "photos"]
     for x in summary["results"]:
         assert x["ratio"] > 0 and x["kvdata_per_s"] > 0 and x["memmap_per_s"] > 0 and x["samples"] > 0
+        assert x["reader"] in ("Loader", "get_batch")  # read the way the README recommends
+        assert (x["why"] is None) == (x["ratio"] >= 1.0)  # a row below 1.0x says why
     assert summary["seconds"] > 0 and summary["dir"].endswith("work")
 
 

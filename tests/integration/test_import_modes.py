@@ -170,7 +170,7 @@ def test_append_refuses_records_with_other_fields_before_writing(cli: Cli, tmp_p
     _png(src / "dog" / "3.png", 100)
     before = _snapshot(ds)
     # the mix: PNG bytes beside decoded arrays
-    cli.fail("import", "folder", src, ds, "--append", names=[str(ds), "'dog/3.png'", "data: bytes",
+    cli.fail("import", "folder", src, ds, "--append", names=[str(ds), "'dog/3.png'", "image: bytes",
                                                              "image: |u1 array 3-d", "--overwrite"])
     assert _snapshot(ds) == before
     classes = tmp_path / "other"
@@ -209,13 +209,13 @@ def test_overwrite_replaces_contents_fields_classes_and_order(cli: Cli, tmp_path
     cli.ok("import", "folder", src, fresh, "--seed", "3")
     assert cli.ok("ls", ds, "-l").lines() != [] and cli.ok("ls", ds).lines() == cli.ok("ls", fresh).lines()
     info, want = _info(cli, ds), _info(cli, fresh)
-    assert info["fields"] == want["fields"] == {"data": {"type": "bytes"}, "label": {"type": "int"}}
+    assert info["fields"] == want["fields"] == {"image": {"type": "bytes"}, "label": {"type": "int"}}
     assert info["classes"] == 3 and info["samples"] == 6
     with kvdata.open(ds) as a, kvdata.open(fresh) as b:
         assert a.classes == b.classes == ["cat", "cow", "dog"]
         assert a.labels.tolist() == b.labels.tolist()
         for k in b.keys():
-            assert bytes(a[k]["data"]) == bytes(b[k]["data"]) and a[k]["label"] == b[k]["label"]
+            assert bytes(a[k]["image"]) == bytes(b[k]["image"]) and a[k]["label"] == b[k]["label"]
     assert cli.ok("verify", ds, "--json").json()["ok"]
     text = cli.ok("import", "folder", src, ds, "--overwrite").text
     assert text.startswith(f"imported 6 images into {ds} (0 added, 6 overwritten; 3 classes"), text

@@ -59,7 +59,7 @@ def test_folder_bytes_round_trip_with_labels_and_classes(tree: Path, tmp_path: P
         labels = store.labels
         for i, key in enumerate(store.keys()):
             rec = store[i]
-            assert bytes(rec["data"]) == (tree / key).read_bytes()
+            assert bytes(rec["image"]) == (tree / key).read_bytes()
             if key == "loose.png":
                 assert "label" not in rec and labels[i] == fmt.NO_LABEL
             else:
@@ -121,12 +121,12 @@ def test_listfile_with_spaces_in_paths(tree: Path, tmp_path: Path, capsys: pytes
     listfile = tmp_path / "train.txt"
     listfile.write_text("my dir/a b.png 4\n\nc.jpg\t7\n")
     summary = import_listfile(listfile, tmp_path / "ds", root=root, decode="rgb", shuffle=False, progress=True)
-    assert summary["imported"] == 2 and summary["classes"] == 2
+    assert summary["imported"] == 2 and summary["classes"] == 8  # labels 4 and 7: classes "0".."7"
     assert "import" in capsys.readouterr().err  # the bar was shown and closed
     with kvdata.open(tmp_path / "ds") as store:
         assert list(store.keys()) == ["my dir/a b.png", "c.jpg"]
         assert store.labels.tolist() == [4, 7]
-        assert store.classes == []
+        assert store.classes == [str(i) for i in range(8)]  # numbered, as every importer
         np.testing.assert_array_equal(store.get("my dir/a b.png")["image"], _source(tree, "cat/img0.png"))
 
 

@@ -66,7 +66,7 @@ def test_the_core_commands_work_without_any_extra(cli: Cli, tmp_path: Path) -> N
     assert summary["imported"] == len(files)
     cli.ok("verify", imported)
     with kvdata.open(imported) as store:
-        assert {k: bytes(store[k]["data"]) for k in files} == files
+        assert {k: bytes(store[k]["image"]) for k in files} == files
 
 
 def test_python_api_without_torch_reads_and_writes(tmp_path: Path) -> None:
