@@ -56,7 +56,8 @@ def _read_all(path: Path) -> dict[str, dict]:
 
 @pytest.fixture
 def wds_shards(tmp_path):
-    """Two shards written by webdataset's TarWriter: png + cls + json + txt + npy + bin per key."""
+    """Two shards written by webdataset's TarWriter: png + cls + json + txt + npy + bin per key
+    (stored as the fields image + label + json + txt + npy + bin: docs/CLI.md, "Field names")."""
     webdataset = pytest.importorskip("webdataset", reason="webdataset is not installed (kvdata[test])")
     src = tmp_path / "shards"
     src.mkdir()
@@ -85,8 +86,8 @@ def test_wds_round_trips_record_for_record(tmp_path, wds_shards, cli):
     assert list(got) == sorted(expected)
     for k, e in expected.items():
         r = got[k]
-        assert set(r) == {"png", "cls", "json", "txt", "npy", "bin"}
-        assert bytes(r["png"]) == e["png"] and r["cls"] == e["cls"] and json.loads(r["json"]) == e["json"]
+        assert set(r) == {"image", "label", "json", "txt", "npy", "bin"}
+        assert bytes(r["image"]) == e["png"] and r["label"] == e["cls"] and json.loads(r["json"]) == e["json"]
         assert r["txt"] == e["txt"] and bytes(r["bin"]) == e["bin"]
         np.testing.assert_array_equal(r["npy"], e["arr"])
         assert r["npy"].dtype == np.float32
@@ -99,8 +100,8 @@ def test_wds_round_trips_record_for_record(tmp_path, wds_shards, cli):
     one, two = _read_all(tmp_path / "rgb1"), _read_all(tmp_path / "rgb2")
     assert list(one) == list(two) == sorted(expected)
     for k, e in expected.items():
-        np.testing.assert_array_equal(one[k]["png"], e["pixels"])
-        np.testing.assert_array_equal(two[k]["png"], e["pixels"])
+        np.testing.assert_array_equal(one[k]["image"], e["pixels"])
+        np.testing.assert_array_equal(two[k]["image"], e["pixels"])
 
 
 def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
@@ -199,7 +200,7 @@ def test_an_undecodable_image_fails_the_import_or_is_skipped(tmp_path, cli):
     tar = _tar(tmp_path / "s.tar", [_reg("a.png", png), _reg("a.cls", b"1"), _reg("b.png", b"\x89PNG\r\n\x1a\nbroken"),
                                     _reg("b.cls", b"2"), _reg("c.cls", b"three")])
     existing = tmp_path / "ds"  # (appended to: its records have the fields the tar's will have)
-    kvdata.from_iterable(existing, [{"k": "old", "png": np.zeros((6, 7, 1), np.uint8), "cls": 0}], key="k")
+    kvdata.from_iterable(existing, [{"k": "old", "image": np.zeros((6, 7, 1), np.uint8), "label": 0}], key="k")
     with pytest.raises(InvalidValueError, match=r"s\.tar: member 'b\.png': field 'png' of key 'b': Pillow cannot decode"):
         import_wds([tar], existing, decode="rgb", existing="append")
     assert list(_read_all(existing)) == ["old"]  # all-or-nothing: the failed import left it as it was
@@ -207,7 +208,7 @@ def test_an_undecodable_image_fails_the_import_or_is_skipped(tmp_path, cli):
     assert r.rc == 0, str(r)
     assert sorted(b["key"] for b in r.json()["bad"]) == ["b", "c"]
     got = _read_all(existing)
-    assert list(got) == ["old", "a"] and got["a"]["png"].shape == (6, 7, 1) and got["a"]["cls"] == 1
+    assert list(got) == ["old", "a"] and got["a"]["image"].shape == (6, 7, 1) and got["a"]["label"] == 1
 
 
 def test_duplicate_keys_across_shards_are_refused(tmp_path, cli):
@@ -263,8 +264,9 @@ def test_tfrecord_round_trips_record_for_record(tmp_path, tfrecords, cli):
     assert list(got) == list(expected)
     for k, (feats, _pixels, _file, _i) in expected.items():
         r = got[k]
-        assert bytes(r["image/encoded"]) == feats["image/encoded"][1][0]
-        assert r["label"] == feats["label"][1][0] and bytes(r["id"]) == k.encode() and r["score"] == 1.5
+        assert "image/encoded" not in r and "id" not in r  # the image is 'image'; the key feature is only the key
+        assert bytes(r["image"]) == feats["image/encoded"][1][0]
+        assert r["label"] == feats["label"][1][0] and r["score"] == 1.5
         np.testing.assert_array_equal(r["bbox"], np.array(feats["bbox"][1], dtype=np.float32))
         assert r["bbox"].dtype == np.float32
         np.testing.assert_array_equal(r["shape"], [6, 7, -3])
@@ -277,7 +279,7 @@ def test_tfrecord_round_trips_record_for_record(tmp_path, tfrecords, cli):
     got = _read_all(tmp_path / "rgb")
     assert list(got) == [f"{file}/{i:08d}" for _f, _p, file, i in expected.values()]
     for (_feats, pixels, file, i) in expected.values():
-        np.testing.assert_array_equal(got[f"{file}/{i:08d}"]["image/encoded"], pixels)
+        np.testing.assert_array_equal(got[f"{file}/{i:08d}"]["image"], pixels)
 
 
 def test_workers_with_decode_none_read_in_process(tmp_path, wds_shards, tfrecords):
@@ -325,8 +327,8 @@ def test_decoding_workers_hand_arrays_over_in_shared_memory(tmp_path, wds_shards
     _same_with_0_and_2_workers(tmp_path, wds_shards, tfrecords, decode="rgb")
     decoded = _read_all(tmp_path / "wds-2")
     for k, e in wds_shards[1].items():
-        assert decoded[k]["png"].dtype == np.uint8
-        np.testing.assert_array_equal(decoded[k]["png"], e["pixels"])
+        assert decoded[k]["image"].dtype == np.uint8
+        np.testing.assert_array_equal(decoded[k]["image"], e["pixels"])
 
 
 def test_damaged_tfrecords_are_refused_naming_file_and_record(tmp_path, cli):
@@ -369,7 +371,7 @@ def test_dot_slash_names_and_directories_group_as_webdataset_does(tmp_path):
                                     _reg("./d/README", b"no extension")])
     out = import_wds([tar], tmp_path / "ds")
     assert out["imported"] == 1 and out["skipped"] == 2  # the directory and the member without an extension
-    assert _read_all(tmp_path / "ds") == {"d/a": {"seg.txt": "x", "cls": 7}}
+    assert _read_all(tmp_path / "ds") == {"d/a": {"seg.txt": "x", "label": 7}}
 
 
 def test_workers_name_a_damaged_tar_and_a_tar_replaced_after_the_scan(tmp_path, cli):
