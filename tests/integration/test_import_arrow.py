@@ -91,8 +91,11 @@ def _table(n: int, start: int = 0) -> Any:
 
 
 def _expected(row: dict[str, Any]) -> dict[str, Any]:
-    """A pyarrow row as the importer stores it (images as their bytes)."""
-    out = dict(row)
+    """A pyarrow row as the importer stores it with key="id", label="y" (images as their bytes):
+    the key column is only the key, the label column is the field 'label' and the one image
+    column the field 'image' (docs/CLI.md, "Field names and classes"), in column order."""
+    names = {"y": "label", "png": "image"}
+    out = {names.get(k, k): v for k, v in row.items() if k != "id"}
     out["day"] = row["day"].isoformat()
     for name, dtype in (("vec", np.float32), ("fix", np.int16), ("mat", np.int64)):
         out[name] = None if row[name] is None else np.asarray(row[name], dtype=dtype)
@@ -135,7 +138,8 @@ def test_parquet_round_trip_record_for_record(parquet_dir: Path, tmp_path: Path)
     summary = import_parquet([parquet_dir], tmp_path / "ds", key="id", label="y", progress=False)
     want = _rows(parquet_dir / "more" / "part-1.parquet", parquet_dir / "part-0.parquet")  # sorted names: more/ first
     assert summary["imported"] == len(want) == 340 and summary["skipped"] == 0 and summary["bad"] == []
-    assert summary["classes"] == 4 and summary["columns"]["png"] == "image" and summary["columns"]["mat"] == "array"
+    assert summary["classes"] == 4 and summary["columns"]["image"] == "image" and summary["columns"]["mat"] == "array"
+    assert summary["columns"]["label"] == "int" and not {"id", "y", "png"} & set(summary["columns"])
     with kvdata.open(tmp_path / "ds") as store:
         assert list(store.keys()) == [r["id"] for r in want]
         assert store.labels.tolist() == [r["y"] for r in want]
@@ -164,9 +168,9 @@ def test_parquet_generated_keys_columns_subset_and_images_decoded(parquet_dir: P
         assert list(a.keys()) == list(b.keys()) == list(c.keys()) == [f"part-0/{i:09d}" for i in range(300)]
         for i, row in enumerate(want):
             ra, rb, rc = a[i], b[i], c[i]
-            assert list(ra) == ["png", "f32"] and ra["f32"] == row["f32"]  # in --columns order
-            assert np.array_equal(ra["png"], _pixels(row["png"]))
-            assert np.array_equal(rb["png"], ra["png"]) and np.array_equal(rc["png"], ra["png"])
+            assert list(ra) == ["image", "f32"] and ra["f32"] == row["f32"]  # in --columns order; png is 'image'
+            assert np.array_equal(ra["image"], _pixels(row["png"]))
+            assert np.array_equal(rb["image"], ra["image"]) and np.array_equal(rc["image"], ra["image"])
         assert (a.labels == fmt.NO_LABEL).all()
 
 
@@ -346,7 +350,7 @@ def test_corrupt_image_fails_all_or_nothing_or_is_skipped_by_key(tmp_path: Path)
     with kvdata.open(tmp_path / "ds") as store:  # 3 batches through the workers' two shared regions
         assert len(store) == 599 and "k450" not in store and "old" not in store
         for i in (*range(450), *range(451, 600)):
-            assert np.array_equal(store.get(f"k{i}")["img"], _pixels(images[i])), i
+            assert np.array_equal(store.get(f"k{i}")["image"], _pixels(images[i])), i
 
 
 def test_lists_with_nulls_inside_or_ragged_rows_are_bad_records(tmp_path: Path) -> None:
@@ -376,7 +380,8 @@ def test_cli_parquet_and_hf_exit_codes_and_json(parquet_dir: Path, hf_saved: tup
     f = parquet_dir / "part-0.parquet"
     out = cli.ok("import", "parquet", f, "ds", "--key", "id", "--label", "y", "--columns", "id,y,fix",
                  "--json").json()
-    assert out["imported"] == 300 and out["columns"] == {"id": "str", "y": "int", "fix": "array"}
+    # the --label column is the field 'label'; the --key column is a field too only because --columns names it
+    assert out["imported"] == 300 and out["columns"] == {"id": "str", "label": "int", "fix": "array"}
     assert out["writers"] == 1  # the folder importer's keys too (docs/CLI.md)
     line = cli.fail("import", "parquet", f, "ds2", "--key", "missing", names=["--key 'missing'", "no such column"])
     assert "Traceback" not in line and not (tmp_path / "ds2").exists()
