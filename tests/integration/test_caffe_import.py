@@ -135,7 +135,10 @@ def test_raw_records_keep_keys_order_pixels_and_labels(tmp_path: Path) -> None:
     keys = write_caffe_lmdb(tmp_path / "train_lmdb",
                             [(n, raw_datum(im, lb)) for n, im, lb in zip(names, images, labels)])
     summary = import_caffe(tmp_path / "train_lmdb", tmp_path / "ds", progress=False)
-    assert summary["imported"] == 5 and summary["skipped"] == 0 and summary["classes"] == 5
+    # Datums carry no class names: the classes are numbered "0".."max label" (docs/CLI.md, "Field names and classes")
+    assert summary["imported"] == 5 and summary["skipped"] == 0 and summary["classes"] == 8
+    with kvdata.open(tmp_path / "ds") as store:
+        assert list(store.classes) == [str(i) for i in range(8)]
     assert summary["dataset"] == str(tmp_path / "ds") and summary["seconds"] >= 0
 
     got_keys, values, got_labels = contents(tmp_path / "ds")
@@ -193,8 +196,8 @@ def test_encoded_png_records_are_decoded_or_kept(tmp_path: Path) -> None:
     got_keys, values, labels = contents(tmp_path / "kept")
     assert got_keys == keys and labels == [10, 11, 12, 13]
     for value, f, lb in zip(values, files, labels):
-        assert set(value) == {"encoded", "label"} and value["label"] == lb
-        assert bytes(value["encoded"]) == f
+        assert set(value) == {"image", "label"} and value["label"] == lb  # the file bytes, as every importer names them
+        assert bytes(value["image"]) == f
     assert verify(tmp_path / "kept", progress=False)["ok"]
 
 
@@ -293,7 +296,7 @@ def test_cli_import_caffe(tmp_path: Path) -> None:
     p = run_cli("import", "caffe", "src", "ds", "--json", "--shard-size", "1MB", "--no-compress", cwd=tmp_path)
     assert p.returncode == 0 and p.stderr == "", p.stderr
     summary = json.loads(p.stdout)
-    assert summary["imported"] == 4 and summary["classes"] == 4 and summary["dataset"] == "ds"
+    assert summary["imported"] == 4 and summary["classes"] == 6 and summary["dataset"] == "ds"  # "0".."5"
     assert summary["writers"] == 1  # every importer's --json has the folder importer's keys (docs/CLI.md)
     got_keys, values, labels = contents(tmp_path / "ds")
     assert got_keys == keys and labels == [0, 1, 2, 5]
@@ -303,7 +306,7 @@ def test_cli_import_caffe(tmp_path: Path) -> None:
 
     p = run_cli("import", "caffe", "src", "kept", "--keep-encoded", cwd=tmp_path)
     assert p.returncode == 0 and "imported 4 images into kept" in p.stdout, p.stderr
-    assert contents(tmp_path / "kept")[1][3]["encoded"] == encode(pixels(7), "PNG")
+    assert contents(tmp_path / "kept")[1][3]["image"] == encode(pixels(7), "PNG")
 
     write_caffe_lmdb(tmp_path / "bad", [("ok.jpg", raw_datum(pixels(0), 0)), ("x.jpg", b"\x0b\x0c garbage")])
     p = run_cli("import", "caffe", "bad", "ds3", cwd=tmp_path)
