@@ -270,7 +270,7 @@ def test_parquet_refuses_appends_and_overwrites(cli: Cli, tmp_path: Path) -> Non
     assert _snapshot(ds) == before
     s = cli.ok("import", "parquet", floats, ds, "--key", "key", "--overwrite", "--json").json()
     assert (s["mode"], s["added"], s["overwritten"], s["removed"]) == ("overwrite", 1, 0, 4)
-    assert _records(ds) == {"k9": {"key": "k9", "x": 1.5, "blob": b"k9k9k9"}}
+    assert _records(ds) == {"k9": {"x": 1.5, "blob": b"k9k9k9"}}  # the --key column is only the key
     assert _info(cli, ds)["fields"]["x"] == {"type": "float"}
     line = cli.ok("import", "parquet", floats, ds, "--key", "key", "--overwrite").text
     assert "(0 added, 1 overwritten; " in line
@@ -292,8 +292,10 @@ def test_wds_appends_and_overwrites(cli: Cli, tmp_path: Path) -> None:
     two = _tar(tmp_path / "two.tar", {"b.txt": b"B2", "b.cls": b"5", "c.txt": b"C", "c.cls": b"3"})
     cli.fail("import", "wds", two, ds, names=[str(ds), "--append", "--overwrite"])
     r = cli.ok("import", "wds", two, ds, "--append")
-    assert "(1 added, 0 overwritten, 1 already there kept; 0 skipped)" in r.text, r.text
-    assert {k: v["txt"] for k, v in _records(ds).items()} == {"a": "A", "b": "B", "c": "C"}
+    # cls is the field label; the classes are numbered "0".."3" once label 3 is appended
+    assert "(1 added, 0 overwritten, 1 already there kept; 4 classes, 0 skipped)" in r.text, r.text
+    assert {k: (v["txt"], v["label"]) for k, v in _records(ds).items()} == {"a": ("A", 1), "b": ("B", 2), "c": ("C", 3)}
+    assert _info(cli, ds)["classes"] == 4
     other = _tar(tmp_path / "other.tar", {"d.json": b"{}"})
     cli.fail("import", "wds", other, ds, "--append", names=[str(ds), "'d'", "json: str"])
     s = cli.ok("import", "wds", two, ds, "--overwrite", "--json").json()
