@@ -5,6 +5,8 @@ from a uid's passed manifest (the UID_DATASETS it opened last), under a name pri
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,12 +16,14 @@ from kvdata.errors import BadRequest, NotAllowed
 from kvdata.format import Manifest, ShardEntry
 from kvdata.homes import Home, open_home
 from kvdata.homes.local import PassedFiles
+from kvdata.sync.dataset_names import record_names
 from kvdata.sync.mirror import cache_root, mirror, read_manifest
 from kvdata.tiers.staging import Engine
 
 from .messages import is_url
 from .trust import Peer
 
+log = logging.getLogger("kvdatad")
 UID_DATASETS = 32        # datasets one unprivileged uid has open from passed manifests (least recent dropped)
 
 
@@ -88,6 +92,8 @@ class Datasets:
         self._engine.check_budgets(list(manifest.shards))
         ds = OpenDataset(location, PassedFiles(location), Path(location), manifest, owner=uid, users={uid},
                          key=self._engine.open_dataset(manifest.shards, label=location))
+        if uid == os.geteuid():  # only the daemon's own uid's names: others cannot fill its tier
+            self._record_names(location, manifest)
         key = passed_key(uid, location)
         with self._lock:
             self._open.pop(key, None)
@@ -117,10 +123,19 @@ class Datasets:
                          key=self._engine.open_dataset(m.shards, label=location))
         with self._lock:
             self._open[location] = ds
+        self._record_names(location, m)
         if ds.staged_all:
             for e in m.shards:
                 self._engine.stage(home, e)
         return ds
+
+    def _record_names(self, location: str, m: Manifest) -> None:
+        """Which dataset its copies belong to, for `kvdata cache ls` after a restart (a name
+        record beside the index mirrors; kvdata.sync.dataset_names)."""
+        try:
+            record_names(cache_root(self._config), location, m.shards)
+        except OSError as e:
+            log.warning("cannot keep the shard names of %s: %s", location, e)
 
     def stage_all(self, ds: OpenDataset) -> None:
         """Keep every generation of `ds` staged (`kvdata stage`)."""

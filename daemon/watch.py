@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -11,7 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.events import (
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
 from watchdog.observers import Observer
 
 from .state import Service
@@ -20,6 +28,35 @@ DEBOUNCE = 0.3
 
 
 STOP_WAIT = 1.0  # seconds stop() waits for the observer thread
+# Only what can change a config or a manifest: with every event, a watched home that jobs read
+# from (open/access/close-nowrite of each shard) keeps the observer busy for nothing.
+EVENTS = [FileCreatedEvent, FileModifiedEvent, FileMovedEvent, FileClosedEvent]
+# watchdog's inotify emitter logs this at ERROR when it reads one more event after stop() began
+# (Observer.stop deactivates the emitter while its thread is in a read): a race inside watchdog,
+# harmless at shutdown -- that event is dropped, as every later one is.
+_STOPPED_EMITTER = "queue_events() called when the thread is inactive"
+
+
+class _QuietStoppedEmitter(logging.Filter):
+    """Demotes watchdog's 'called when the thread is inactive' (a clean stop, above) to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and _STOPPED_EMITTER in str(record.msg):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+_QUIET = _QuietStoppedEmitter()
+for _name in ("watchdog.observers.inotify", "watchdog.observers.inotify_buffer"):
+    logging.getLogger(_name).addFilter(_QUIET)
+
+
+def _schedule(observer: Any, handler: FileSystemEventHandler, path: str) -> None:
+    try:  # watchdog >= 4 narrows the inotify mask to these events
+        observer.schedule(handler, path, recursive=False, event_filter=EVENTS)
+    except TypeError:  # watchdog 3: every event (the handler ignores the others)
+        observer.schedule(handler, path, recursive=False)
 
 
 class _Handler(FileSystemEventHandler):
@@ -54,7 +91,7 @@ class Watcher:
     def start(self) -> None:
         self._observer = Observer()
         if self.config_path is not None and self.config_path.parent.exists():
-            self._observer.schedule(_Handler(self._event), str(self.config_path.parent), recursive=False)
+            _schedule(self._observer, _Handler(self._event), str(self.config_path.parent))
         self._observer.daemon = True
         self._observer.start()
         self._poll = self.loop.call_later(1.0, self._sync_datasets)
@@ -72,7 +109,7 @@ class Watcher:
                 if self._stopped:
                     break
                 if loc not in self._watched and Path(loc).is_dir():
-                    self._observer.schedule(_Handler(self._event), loc, recursive=False)
+                    _schedule(self._observer, _Handler(self._event), loc)
                     self._watched.add(loc)
                     added.append(loc)
         return added

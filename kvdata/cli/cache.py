@@ -182,19 +182,25 @@ def _mode_line(d: dict[str, Any]) -> str:
 def cache_report(eng: Engine) -> dict[str, Any]:
     """Tiers with their staged shards, named by the datasets that own them where known."""
     from ..format import names
+    from ..sync.dataset_names import MAX_RECORD, read_names, read_trusted, valid_shards
     from ..sync.mirror import cache_root
 
-    owners: dict[str, list[str]] = {}
     root = cache_root(eng.config)
+    owners: dict[str, list[str]] = read_names(root)  # datasets kvdatad opened (kept across restarts)
     if root.exists():
-        for d in root.iterdir():
-            try:  # a mirror's files as JSON, not parsed: a half-written or foreign one is skipped
-                m = json.loads((d / names.MANIFEST).read_text())
-                url = json.loads((d / names.SOURCE).read_text())["url"]
-            except (OSError, ValueError, KeyError):
+        for d in sorted(root.iterdir()):
+            # a mirror's files as JSON, not parsed; only ours, valid and printable: a half-written,
+            # foreign or planted one is skipped
+            m_raw, src_raw = read_trusted(d / names.MANIFEST, MAX_RECORD), read_trusted(d / names.SOURCE, 1 << 16)
+            if m_raw is None or src_raw is None:
                 continue
-            for e in m.get("shards", []):
-                owners.setdefault(e["sha256"], []).append(f"{url}#{e['name']}")
+            try:
+                m, src = json.loads(m_raw), json.loads(src_raw)
+            except ValueError:
+                continue
+            for sha, label in valid_shards(m, src.get("url") if isinstance(src, dict) else None):
+                if label not in owners.setdefault(sha, []):
+                    owners[sha].append(label)
     tiers = []
     for t in eng.tiers:
         res = t.resident()

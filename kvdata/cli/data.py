@@ -249,14 +249,20 @@ def ls(dataset: str, long_: bool, limit: int | None, as_json: bool) -> None:
                 click.echo(r["key"])
 
 
-def dataset_info(store: Store) -> dict[str, Any]:
-    """What `kvdata info --json` prints."""
+def dataset_info(store: Store, dataset: str | None = None) -> dict[str, Any]:
+    """What `kvdata info --json` prints. `dataset`: what the user named it; a URL is shown as
+    given (the local directory it is read through -- a tier's index mirror, kvdatad's or this
+    process's -- only as `served_from`), a path as the dataset's directory."""
+    from ..homes import is_url
+
     m = store.manifest
     home = store.home
     local = home is None or home.local_path("") is not None
     disk = sum(f.stat().st_size for f in store.root.rglob("*") if f.is_file()) if local else None
+    url = dataset is not None and is_url(dataset)
     return {
-        "dataset": str(store.root),
+        "dataset": dataset if url else str(store.root),
+        "served_from": str(store.root) if url else None,
         "format_version": m.version,
         "generation": m.generation,
         "samples": len(store),
@@ -278,11 +284,13 @@ def dataset_info(store: Store) -> dict[str, Any]:
 def info(dataset: str, as_json: bool) -> None:
     """Samples, shards, bytes on disk, fields and generation."""
     with open_to_read(dataset) as store:
-        d = dataset_info(store)
+        d = dataset_info(store, dataset)
     if as_json:
         print_json(d)
         return
     click.echo(f"dataset      {d['dataset']}")
+    if d["served_from"] is not None:
+        click.echo(f"served from  {d['served_from']}")
     click.echo(f"samples      {d['samples']}")
     click.echo(f"shards       {d['sealed_shards']} sealed + tail ({d['tail_records']} records), "
                f"sealed at {format_size(d['shard_size'])}")

@@ -44,6 +44,7 @@ from helpers.daemon import (
     tier_files,
     wait_for,
 )
+from helpers.servers import S3Server, push_s3
 
 # ------------------------------------------------------------------ helpers
 
@@ -872,4 +873,72 @@ def test_a_copy_passed_to_its_reader_is_not_pinned_beyond_the_need(kit: Kit) -> 
             assert reply["staged"], (shard, reply)  # nothing read around the tier
         st = c.request("status")
     assert st["evictions"] >= 1 and st["private_copies"] == 0 and st["home_reads"] == 0, st
+    assert d.terminate() == 0
+
+
+# ------------------------------------------------------------------ issue 27: names, clean stop, info of a URL
+
+
+def test_cache_ls_names_copies_staged_before_a_restart(kit: Kit) -> None:
+    home = build_dataset(kit.root / "home", n=48)
+    d = kit.daemon()
+    assert kit.kvdata("stage", str(home)).returncode == 0
+    assert d.terminate() == 0
+    d = kit.daemon()  # a restarted daemon has opened nothing yet
+    names_dir = kit.tiers["ssd"] / "datasets" / "names"
+    # hostile records beside the real one: one others may write, one naming the copies with a
+    # terminal escape; both are skipped, never shown
+    shas = [e["sha256"] for e in manifest(home)["shards"]]
+    planted = names_dir / "planted.json"
+    planted.write_text(json.dumps({"dataset": "/evil", "shards": [[s, "x"] for s in shas]}))
+    planted.chmod(0o666)
+    (names_dir / "escape.json").write_text(json.dumps({"dataset": "/a\x1b[2J", "shards": [[s, "x"] for s in shas]}))
+    r = kit.kvdata("cache", "ls", "--json")
+    assert r.returncode == 0, r.stderr
+    ram = next(t for t in json.loads(r.stdout)["tiers"] if t["name"] == "ram")
+    want = {e["sha256"]: [f"{loc(home)}#{e['name']}"] for e in manifest(home)["shards"]}
+    assert {s["sha256"]: s["datasets"] for s in ram["shards"]} == want
+    text = kit.kvdata("cache", "ls")
+    assert text.returncode == 0 and "?" not in text.stdout and "/evil" not in text.stdout, text.stdout
+    assert d.terminate() == 0
+
+
+def test_clean_sigterm_logs_no_error(kit: Kit) -> None:
+    home = build_dataset(kit.root / "home", n=96)
+    d = kit.daemon()
+    assert kit.kvdata("stage", str(home)).returncode == 0
+    r = kit.reader(loc(home), 96)  # a watched home being read while SIGTERM lands
+    finish(r)
+    time.sleep(1.5)  # the watcher has added its watch on the home
+    assert d.terminate() == 0
+    log = d.log_text()
+    assert "stopping" in log and not re.search(r"\bERROR\b|Traceback", log), log
+
+
+def test_watchdogs_stopped_emitter_message_is_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import daemon.watch  # noqa: F401  (installs the filter)
+
+    wlog = logging.getLogger("watchdog.observers.inotify")
+    with caplog.at_level(logging.INFO):
+        wlog.error("InotifyEmitter.queue_events() called when the thread is inactive")
+        wlog.error("something else")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == ["something else"]
+
+
+def test_info_of_an_s3_url_through_the_daemon_shows_the_url(kit: Kit, s3_server: S3Server) -> None:
+    url = push_s3(build_dataset(kit.root / "src", n=24), s3_server, "info27")
+    kit.config.write_text(kit.config_text(extra=f'[daemon]\nallow_homes = ["{url}"]\n'))
+    d = kit.daemon()
+    r = kit.kvdata("info", url, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["dataset"] == url and info["samples"] == 24
+    assert info["served_from"] and Path(info["served_from"]).is_relative_to(kit.root), info
+    assert d.status()["datasets"], "kvdata info did not go through the daemon"
+    text = kit.kvdata("info", url)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0].split() == ["dataset", url] and lines[1].startswith("served from  "), text.stdout
     assert d.terminate() == 0
