@@ -103,7 +103,9 @@ def test_listfile_parts_equal_one_writer(tree: Path, tmp_path: Path) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     import_listfile(listfile, tmp_path / "one", root=tree, shuffle=False, workers=0, progress=False)
     s = import_listfile(listfile, tmp_path / "two", root=tree, shuffle=False, workers=2, progress=False)
-    assert s["writers"] == 2 and s["classes"] == 3
+    assert s["writers"] == 2 and s["classes"] == 13  # labels 10..12 without names: classes "0".."12"
+    with kvdata.open(tmp_path / "one") as a, kvdata.open(tmp_path / "two") as b:
+        assert list(a.classes) == list(b.classes) == [str(i) for i in range(13)]
     _assert_same(tmp_path / "one", tmp_path / "two")
     assert verify(tmp_path / "two", progress=False)["ok"]
     _no_leftovers(tmp_path, shm_before)
