@@ -85,9 +85,10 @@ def from_iterable(path: str | os.PathLike[str], iterable: Iterable[Mapping[str, 
             if not seen and not already:
                 raise InvalidValueError("the iterable yielded no items; nothing was written")
             old, names = list(store.classes), numbered_classes(labels)  # as every importer records classes
+            classes = len(old)  # (store.classes is the last commit's until this one)
             if len(names) > len(old) and (not old or old == names[:len(old)]):
                 store.set_classes(names)
-            classes = len(store.classes)
+                classes = len(names)
             store.seal()  # read by memory-map offset right away, and can be staged and pushed
             store.commit()
     finally:

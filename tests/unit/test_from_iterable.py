@@ -36,6 +36,7 @@ def test_from_iterable_round_trips_every_field_type(tmp_path):
         np.testing.assert_array_equal(rec["vec"], it["vec"])
     with kvdata.open(tmp_path / "ds") as store:
         assert store.labels.tolist() == [i % 3 for i in range(50)]
+        assert store.classes == ["0", "1", "2"]  # numbered as every importer records them; the summary counts these
 
 
 def test_from_arrays_round_trips_row_for_row_with_generated_keys(tmp_path):
