@@ -280,7 +280,7 @@ class Case:
     variant: str
     source: str                     # key of write_sources()
     args: tuple[str, ...]           # CLI options (or the --py-run mode)
-    field: str                      # the field holding the image
+    field: str                      # the field holding the image ("image" for every importer: docs/CLI.md)
     pixels: bool                    # decoded pixels (else the JPEG bytes)
     workers: tuple[int, ...] = (1, 2)   # () : no --workers option, one figure
     py: bool = False                # a Python entry point, run by this script in a fresh process
@@ -294,14 +294,14 @@ def cases() -> list[Case]:
     rgb, keep = ("--decode", "rgb"), ("--decode", "none")
     return [
         Case("folder", "decode rgb", "folder", rgb, "image", True),
-        Case("folder", "bytes", "folder", keep, "data", False),
+        Case("folder", "bytes", "folder", keep, "image", False),
         Case("listfile", "decode rgb", "listfile", rgb, "image", True),
-        Case("listfile", "bytes", "listfile", keep, "data", False),
+        Case("listfile", "bytes", "listfile", keep, "image", False),
         Case("caffe", "encoded Datum, decoded", "caffe", (), "image", True, ()),
-        Case("caffe", "encoded Datum, --keep-encoded", "caffe", ("--keep-encoded",), "encoded", False, ()),
+        Case("caffe", "encoded Datum, --keep-encoded", "caffe", ("--keep-encoded",), "image", False, ()),
         Case("caffe", "raw Datum (CHW pixels)", "caffe_raw", (), "image", True, ()),
-        Case("wds", "decode rgb", "wds", rgb, "jpg", True),
-        Case("wds", "bytes", "wds", keep, "jpg", False),
+        Case("wds", "decode rgb", "wds", rgb, "image", True),
+        Case("wds", "bytes", "wds", keep, "image", False),
         Case("tfrecord", "decode rgb", "tfrecord", rgb, "image", True),
         Case("tfrecord", "bytes", "tfrecord", keep, "image", False),
         Case("parquet", "decode rgb", "parquet", rgb, "image", True),
