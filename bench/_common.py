@@ -8,7 +8,7 @@
   `built`/`mark_built` (reuse a work directory built with the same parameters), `work_dir`,
   `dir_bytes`
 - output: `md_table` (a markdown table from rows), `write_json`, `log`
-- README blocks: `block_markers`, `replace_block`, `read_blocks`, `demote_headings`,
+- results pages' blocks (bench/results/*.md): `block_markers`, `replace_block`, `read_blocks`, `demote_headings`,
   `md_tables` (parse markdown tables back), `num` (a number out of a table cell)
 
 Only the standard library and numpy at import time: run_all.py and the unit tests import this
@@ -292,10 +292,10 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-# ====================================================================== README blocks
+# ====================================================================== results pages' blocks
 
 def block_markers(name: str) -> tuple[str, str]:
-    """The comments around a generated block in bench/README.md."""
+    """The comments around a generated block on a bench's results page (bench/results/<script>.md)."""
     return f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
 
 
@@ -326,7 +326,7 @@ def read_blocks(doc: str) -> dict[str, str]:
 
 
 def demote_headings(md: str, level: int = 4, drop_first_h2: bool = True) -> str:
-    """A script's report as a README block: its "## title" line dropped (the block has its own
+    """A script's report as a results page's block: its "## title" line dropped (the block has its own
     provenance line) and every other heading set to `level` (outside ``` fences)."""
     out, fence, dropped = [], False, not drop_first_h2
     for line in md.splitlines():

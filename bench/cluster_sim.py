@@ -12,7 +12,7 @@ bandwidth, time to first batch, stall per GPU and epoch time, for the global and
 order, through kvdatad (`daemon`) or without it (`shared`: an Engine per rank over the node's
 tiers; `private`: a tier per rank).
 
-  python bench/cluster_sim.py                           # N = 8, 64, 1000 at D = 100 TB: the README tables
+  python bench/cluster_sim.py                           # N = 8, 64, 1000 at D = 100 TB: its results page's tables
   python bench/cluster_sim.py --quick                   # N = 8, 64 at 1 TB, 2 epochs (a smoke test, ~30 s)
   python bench/cluster_sim.py --nodes 64 --samplers locality --modes daemon --prefixes 0,1
   python bench/cluster_sim.py --nodes 1000 --part-mib 64 --prefixes 0   # any parameter: what-ifs
@@ -22,7 +22,7 @@ Scaling: nodes are alike (the same rates, their parts drawn alike), so `--detail
 simulated and the cluster's totals are theirs times nodes/detail; with `--scale K` (auto: a
 simulated node part of at most `--max-node-shards`) 1/K of the shards and of every tier are
 simulated and totals and times multiplied by K (rates, peaks and time to first batch are not).
-The report prints both. Defaults and their sources: see DEFAULTS below and bench/README.md.
+The report prints both. Defaults and their sources: see DEFAULTS below and bench/results/cluster_sim.md.
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ def _num(where: str, key: str, v: Any, lo: float = 0.0, integer: bool = False) -
 
 
 def load_measured(path: Path) -> dict[str, Any]:
-    """The measured run (schema in bench/README.md), checked before anything is simulated."""
+    """The measured run (schema in bench/results/cluster_sim.md), checked before anything is simulated."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:

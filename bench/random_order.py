@@ -661,7 +661,7 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> str:
             f"files still mapped, sampled every 10 ms.", "",
             md_table(["reader", "epoch", "samples/s", "% of link", "home (datasets, wire)",
                       "payload (datasets)", "GETs", "tier peak (vs budget)", "vs (c)"], rows, left=1),
-            "(d) litdata and mosaic-streaming: bench/random_order_peers.py (bench/README.md)."]
+            "(d) litdata and mosaic-streaming: bench/random_order_peers.py (bench/results/random_order.md)."]
     sv = res.get("server") or {}
     if "ranged_in_shards" in sv:
         w, r = sv["whole_objects"], sv["ranged_in_shards"]

@@ -1,24 +1,26 @@
 #!/usr/bin/env python
-"""Run every kvdata benchmark, one at a time, and regenerate bench/README.md's tables and plots.
+"""Run every kvdata benchmark, one at a time, and regenerate the tables and plots of its results pages.
 
-    python bench/run_all.py --quick                  # every bench at smoke-test sizes (< 5 min on 2 cores);
-                                                     # results in bench/out/, plots in bench/out/plots/,
-                                                     # bench/README.md untouched
-    python bench/run_all.py --quick --update-readme  # ... and write them into bench/README.md and
-                                                     # bench/plots/, labelled as quick-mode figures
-    python bench/run_all.py --full                   # full sizes (an hour or more; idle machine): results
-                                                     # in bench/out/, README tables and bench/plots/ updated
+    python bench/run_all.py --quick                   # every bench at smoke-test sizes (< 5 min on 2 cores);
+                                                      # results in bench/out/, plots in bench/out/plots/,
+                                                      # bench/results/ untouched
+    python bench/run_all.py --quick --update-results  # ... and write them into bench/results/*.md and
+                                                      # bench/results/plots/, labelled as quick-mode figures
+    python bench/run_all.py --full                    # full sizes (an hour or more; idle machine): results
+                                                      # in bench/out/, the pages' tables and plots updated
     python bench/run_all.py --full --only store_read,daemon    # a subset (--skip NAMES: all but these)
-    python bench/run_all.py --report-only            # no runs: README + plots from bench/out/*.json
-    python bench/run_all.py --plots-only             # no runs: bench/plots/ from the README's tables
-    python bench/run_all.py --list                   # the benches, their commands, what each needs
+    python bench/run_all.py --report-only             # no runs: pages + plots from bench/out/*.json
+    python bench/run_all.py --plots-only              # no runs: bench/results/plots/ from the pages' tables
+    python bench/run_all.py --list                    # the benches, their commands, what each needs
 
 Each bench runs as its own subprocess (`python bench/<script> <its --quick or full flags> --json
 bench/out/<name>.json`), output in bench/out/<name>.log. A bench whose requirements are missing
 (torch, kvdatad, root and ../shared/netlab for the network home, ...) is skipped with the reason.
-Every bench's JSON carries its markdown report ("markdown"); the README holds each between
-<!-- bench:NAME:begin --> and <!-- bench:NAME:end --> (headings demoted, with a provenance line and
-the plot's image link); the prose around the markers is hand-written and never touched. Plots
+Every bench's JSON carries its markdown report ("markdown"); the bench script's results page,
+bench/results/<script>.md (one page per script: staging.py's holds staging_local, staging_policy and
+staging_network), holds each between <!-- bench:NAME:begin --> and <!-- bench:NAME:end -->
+(headings demoted, with a provenance line and the plot's image link); the prose around the markers
+is hand-written and never touched, and bench/README.md (the targets table) is never written. Plots
 (matplotlib, Agg) are drawn from the tables of those blocks, so a plot always shows what the
 table next to it says. bench/out/run_all.json records what ran, how long, and why a bench was
 skipped. Exit status 1 if a bench failed (skips are not failures).
@@ -61,8 +63,8 @@ from _common import (  # noqa: E402
 )
 
 OUT = HERE / "out"
-PLOTS = HERE / "plots"
-README = HERE / "README.md"
+RESULTS = HERE / "results"   # one page per bench script: <script>.md, its generated blocks between markers
+PLOTS = RESULTS / "plots"
 NETLAB_SH = REPO.parent / "shared" / "netlab" / "netlab.sh"
 QUICK_TIMEOUT = 300.0      # seconds per bench in --quick
 FULL_TIMEOUT = 4 * 3600.0  # seconds per bench in --full
@@ -185,6 +187,11 @@ class Bench:
         flags = self.quick if quick else self.full
         return [sys.executable, rel(HERE / self.script), *flags, "--json", rel(json_path)]
 
+    @property
+    def page(self) -> str:
+        """The file name of its results page in bench/results/ (one per script)."""
+        return Path(self.script).stem + ".md"
+
     def command(self, quick: bool) -> str:
         """The command as a user would type it (from the repo root)."""
         return " ".join(["python", f"bench/{self.script}", *map(shlex.quote, self.quick if quick else self.full),
@@ -290,21 +297,22 @@ def log_tail(path: str, n: int = 25) -> str:
     return "\n".join("    " + x for x in lines[-n:])
 
 
-# ====================================================================== README blocks
+# ====================================================================== results pages' blocks
 
 def is_quick(data: dict[str, Any]) -> bool:
     return str((data.get("config") or {}).get("quick")) == "True"
 
 
 def render_block(b: Bench, data: dict[str, Any], date: str) -> str:
-    """The text between a bench's README markers: mode comment, provenance, report, plot link."""
+    """The text between a bench's markers on its results page: mode comment, provenance, report,
+    plot link (relative to the page: bench/results/plots/)."""
     quick = is_quick(data)
     mach = data.get("machine")
     where = machine_line(mach) if isinstance(mach, dict) else str(mach or "unknown machine")
     lines = [f"<!-- run_all mode={'quick' if quick else 'full'} date={date}: generated, edit outside the markers -->"]
     if quick:
         lines += ["**Quick mode: smoke-test sizes, not measurements.** These figures come from "
-                  "`python bench/run_all.py --quick --update-readme`; they show that the bench runs, not how "
+                  "`python bench/run_all.py --quick --update-results`; they show that the bench runs, not how "
                   "fast kvdata is. `python bench/run_all.py --full` replaces them.", ""]
     lines += [f"_Generated by `python bench/run_all.py {'--quick' if quick else '--full'}` on {date} ({where}). "
               f"Command: `{b.command(quick)}`; raw numbers in `bench/out/{b.name}.json` (not committed)._", "",
@@ -314,9 +322,10 @@ def render_block(b: Bench, data: dict[str, Any], date: str) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, results: dict[str, dict[str, Any]], date: str) -> list[str]:
-    """Replace the blocks of the benches in `results` (name -> JSON data); the names updated."""
-    doc = readme.read_text()
+def update_readme(page: Path, results: dict[str, dict[str, Any]], date: str) -> list[str]:
+    """Replace the blocks of the benches in `results` (name -> JSON data) in one markdown file (a
+    results page); the names updated."""
+    doc = page.read_text()
     done = []
     for name, data in results.items():
         begin, end = block_markers(name)
@@ -324,11 +333,36 @@ def update_readme(readme: Path, results: dict[str, dict[str, Any]], date: str) -
             doc = replace_block(doc, begin, end, render_block(BY_NAME[name], data, date))
             done.append(name)
         except (KeyError, ValueError) as e:
-            print(f"README: {name}: {e}; not updated", file=sys.stderr)
-    tmp = readme.with_name(readme.name + ".tmp")
+            print(f"{page.name}: {name}: {e}; not updated", file=sys.stderr)
+    tmp = page.with_name(page.name + ".tmp")
     tmp.write_text(doc)
-    tmp.replace(readme)
+    tmp.replace(page)
     return done
+
+
+def update_pages(results: dict[str, dict[str, Any]], date: str, root: Path = RESULTS) -> list[str]:
+    """Replace each bench's block in `results` on its own results page (root/<script>.md); the names
+    updated."""
+    done = []
+    for page in dict.fromkeys(BY_NAME[n].page for n in results if n in BY_NAME):
+        mine = {n: d for n, d in results.items() if n in BY_NAME and BY_NAME[n].page == page}
+        path = root / page
+        if not path.exists():
+            print(f"{path}: no such results page; {', '.join(mine)} not updated", file=sys.stderr)
+            continue
+        done += update_readme(path, mine, date)
+    for n in results:
+        if n not in BY_NAME:
+            print(f"{n}: not a bench; not updated", file=sys.stderr)
+    return done
+
+
+def read_pages(root: Path = RESULTS) -> dict[str, str]:
+    """Every bench block of every results page (root/*.md): NAME -> its text."""
+    blocks: dict[str, str] = {}
+    for path in sorted(root.glob("*.md")):
+        blocks.update(read_blocks(path.read_text()))
+    return blocks
 
 
 def block_is_quick(text: str) -> bool:
@@ -589,23 +623,25 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="smoke-test sizes (< 5 minutes in all on 2 cores)")
-    mode.add_argument("--full", action="store_true", help="the full sizes the README's figures come from")
+    mode.add_argument("--full", action="store_true", help="the full sizes the results pages' figures come from")
     mode.add_argument("--report-only", action="store_true",
-                      help="run nothing: README blocks and plots from the JSON already in bench/out/")
-    mode.add_argument("--plots-only", action="store_true", help="run nothing: bench/plots/ from the README's tables")
+                      help="run nothing: the results pages' blocks and plots from the JSON already in bench/out/")
+    mode.add_argument("--plots-only", action="store_true",
+                      help="run nothing: bench/results/plots/ from the results pages' tables")
     mode.add_argument("--list", action="store_true", help="list the benches, their commands and what is missing")
     p.add_argument("--only", help="comma-separated bench names to run (default: all)")
     p.add_argument("--skip", help="comma-separated bench names not to run")
-    p.add_argument("--update-readme", action="store_true",
-                   help="also write quick-mode results into bench/README.md and bench/plots/ (labelled quick)")
-    p.add_argument("--no-readme", action="store_true", help="--full: leave bench/README.md and bench/plots/ alone")
+    p.add_argument("--update-results", "--update-readme", dest="update_results", action="store_true",
+                   help="also write quick-mode results into bench/results/*.md and bench/results/plots/ (labelled quick)")
+    p.add_argument("--no-results", "--no-readme", dest="no_results", action="store_true",
+                   help="--full: leave bench/results/ (pages and plots) alone")
     p.add_argument("--timeout", type=float, help=f"seconds per bench (default {QUICK_TIMEOUT:.0f} in --quick, "
                                                  f"{FULL_TIMEOUT:.0f} in --full)")
     p.add_argument("--out", type=Path, default=OUT, help="results directory (default bench/out)")
-    p.add_argument("--readme", type=Path, default=README, help=argparse.SUPPRESS)
+    p.add_argument("--results", type=Path, default=RESULTS, help=argparse.SUPPRESS)
     p.add_argument("--plots", type=Path, default=PLOTS, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    a.out, a.readme, a.plots = a.out.resolve(), a.readme.resolve(), a.plots.resolve()
+    a.out, a.results, a.plots = a.out.resolve(), a.results.resolve(), a.plots.resolve()
     benches = select(a)
     date = _dt.date.today().isoformat()
 
@@ -619,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if a.plots_only:
-        blocks = read_blocks(a.readme.read_text())
+        blocks = read_pages(a.results)
         blocks = {k: v for k, v in blocks.items() if any(b.name == k for b in benches)}
         written = draw_plots(blocks, a.plots, {k for k, v in blocks.items() if block_is_quick(v)})
         print("\n".join(f"wrote {w.relative_to(REPO) if w.is_relative_to(REPO) else w}" for w in written))
@@ -629,16 +665,16 @@ def main(argv: list[str] | None = None) -> int:
         results = load_results(a.out, [b.name for b in benches])
         if not results:
             raise SystemExit(f"no bench results in {a.out} (run --quick or --full first)")
-        skipped = [n for n, d in results.items() if is_quick(d) and not a.update_readme]
+        skipped = [n for n, d in results.items() if is_quick(d) and not a.update_results]
         for n in skipped:
-            print(f"{n}: a quick-mode result; README left alone (add --update-readme to write it)")
+            print(f"{n}: a quick-mode result; its results page left alone (add --update-results to write it)")
         results = {n: d for n, d in results.items() if n not in skipped}
         if not results:
             return 0
-        done = update_readme(a.readme, results, date)
-        blocks = {k: v for k, v in read_blocks(a.readme.read_text()).items() if k in done}
+        done = update_pages(results, date, a.results)
+        blocks = {k: v for k, v in read_pages(a.results).items() if k in done}
         written = draw_plots(blocks, a.plots, {k for k, v in blocks.items() if block_is_quick(v)})
-        print(f"README blocks updated: {', '.join(done) or 'none'}; plots: {', '.join(w.name for w in written)}")
+        print(f"results blocks updated: {', '.join(done) or 'none'}; plots: {', '.join(w.name for w in written)}")
         return 0
 
     if not (a.quick or a.full):
@@ -666,30 +702,30 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t_all
 
     results = load_results(a.out, [r["name"] for r in records if r.get("json")])
-    update = (not a.no_readme) if a.full else a.update_readme
-    readme_done: list[str] = []
+    update = (not a.no_results) if a.full else a.update_results
+    results_done: list[str] = []
     if update and results:
-        readme_done = update_readme(a.readme, results, date)
-        blocks = {k: v for k, v in read_blocks(a.readme.read_text()).items() if k in readme_done}
+        results_done = update_pages(results, date, a.results)
+        blocks = {k: v for k, v in read_pages(a.results).items() if k in results_done}
         plots = draw_plots(blocks, a.plots, {k for k, v in blocks.items() if block_is_quick(v)})
     else:
         plots = draw_plots({n: d["markdown"] for n, d in results.items()}, a.out / "plots",
                            set(results) if quick else set())
 
     summary = {"mode": "quick" if quick else "full", "date": date, "seconds": total, "machine": machine_info(),
-               "benches": records, "readme_updated": readme_done, "plots": [str(x) for x in plots]}
+               "benches": records, "results_updated": results_done, "plots": [str(x) for x in plots]}
     write_json(a.out / "run_all.json", summary)
     rows = [[r["name"], r["status"], r.get("reason", "") or "; ".join(r.get("notes", [])), f"{r['seconds']:.1f}"]
             for r in records]
     print()
     print(md_table(["bench", "status", "reason / notes", "seconds"], rows, left=3))
     print(f"total {total:.1f}s ({total / 60:.1f} min); summary in {a.out / 'run_all.json'}")
-    if readme_done:
-        print(f"README blocks updated ({'quick mode, labelled' if quick else 'full'}): {', '.join(readme_done)}; "
+    if results_done:
+        print(f"results blocks updated ({'quick mode, labelled' if quick else 'full'}): {', '.join(results_done)}; "
               f"plots in {a.plots}")
     else:
         where = a.out / "plots"
-        print(f"bench/README.md not touched{' (add --update-readme to write quick-mode figures)' if quick else ''}; "
+        print(f"bench/results/ not touched{' (add --update-results to write quick-mode figures)' if quick else ''}; "
               f"plots in {where if plots else '(none)'}")
     return 1 if any(r["status"] == "failed" for r in records) else 0
 

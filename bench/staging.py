@@ -22,7 +22,7 @@ Belady, and kvdata over a network home vs one GET per sample.
            each --rtt-ms (default 10 and 25) and --rate (1gbit), and always takes it down.
   all      local + policy.
 
-Markdown tables go to stdout; --json FILE writes the numbers. See bench/README.md.
+Markdown tables go to stdout; --json FILE writes the numbers. See bench/results/staging.md.
   python bench/staging.py local --quick
   python bench/staging.py policy [--shards 1000 --samples 1000 --epochs 5]
   python bench/staging.py network --netlab-up --rtt-ms 10,25 --rate 1gbit

@@ -236,8 +236,23 @@ def test_run_all_render_and_update(tmp_path):
 
 def test_every_bench_has_a_block_in_the_readme():
     run_all = _load("run_all")
-    blocks = common.read_blocks((BENCH / "README.md").read_text())
+    blocks = run_all.read_pages(BENCH / "results")
     assert set(blocks) == {b.name for b in run_all.BENCHES}
     for b in run_all.BENCHES:
         if b.plot:
             assert f"(plots/{b.name}.png)" in blocks[b.name]
+
+
+def test_each_bench_script_has_one_results_page_linked_from_the_readme():
+    """bench/README.md is the one page of targets and links; each script's blocks live on its own
+    page (bench/results/<script>.md), none in the README."""
+    run_all = _load("run_all")
+    readme = (BENCH / "README.md").read_text()
+    assert common.read_blocks(readme) == {}
+    pages = {b.page for b in run_all.BENCHES}
+    for page in pages:
+        assert (BENCH / "results" / page).is_file(), page
+        assert f"(results/{page})" in readme, f"bench/README.md does not link results/{page}"
+    for name, text in run_all.read_pages(BENCH / "results").items():
+        path = BENCH / "results" / run_all.BY_NAME[name].page
+        assert common.read_blocks(path.read_text())[name] == text  # each block on its own script's page
