@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import kvdata
 
@@ -122,6 +123,7 @@ def run_job(dataset: Path, tmp: Path) -> list[dict]:
 
 
 def test_two_gloo_ranks(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="needs torch (pip install 'kvdata[torch]')")
     from kvdata.order import blocked as om
     from kvdata.reader.sampler import ShardShuffleSampler
 

@@ -34,6 +34,8 @@ def lab_missing() -> str | None:
 
 @pytest.mark.timeout(240)
 def test_two_nodes_exact_once_same_seed_and_locality_saves_s3_bytes(lab_missing: str | None, tmp_path: Path) -> None:
+    pytest.importorskip("moto", reason="needs moto (pip install 'kvdata[test]')")
+    pytest.importorskip("torch", reason="needs torch (pip install 'kvdata[torch]')")
     if lab_missing:
         pytest.skip(f"multi-node lab: {lab_missing}")
     import kvdata

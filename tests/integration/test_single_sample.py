@@ -24,6 +24,7 @@ def same(a: object, b: object) -> bool:
 
 @pytest.mark.parametrize("sealed", [True, False])
 def test_get_one_equals_get_many(tmp_path: Path, sealed: bool) -> None:
+    pytest.importorskip("torch", reason="needs torch (pip install 'kvdata[torch]')")
     p = tmp_path / "ds.kv"
     s = kvdata.open(p, "w", shard_size="64KB")
     s.put_many((f"f{i}", {"x": np.arange(i, i + 3000, dtype=np.int32), "label": i, "s": f"v{i}"}) for i in range(40))

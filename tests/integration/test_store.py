@@ -252,6 +252,7 @@ def test_get_batch_stacks_fields(tmp_path: Path) -> None:
 
 
 def test_variable_length_fields_batch_into_one_flat_array_and_offsets(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="needs torch (pip install 'kvdata[torch]')")
     p = tmp_path / "ds.kv"
     toks = [np.arange(i % 4, dtype=np.int32) * (i + 1) for i in range(10)]
     with kvdata.open(p, "w") as s:

@@ -249,6 +249,7 @@ def test_plans_10m_samples(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_a_sampler_over_a_dataset_nobody_stages_does_no_order_bookkeeping() -> None:
+    pytest.importorskip("torch", reason="needs torch (pip install 'kvdata[torch]')")
     from kvdata.reader.sampler import ShardShuffleSampler
 
     class Listening:
@@ -279,6 +280,7 @@ def test_the_order_and_the_next_are_announced_before_the_first_index() -> None:
     reads: its keep set (the shards the next pass reads first) decides which shards are staged
     whole, and a worker reading before the announcement would stage whole a shard read once
     (test_record_reads.py::test_dataloader_workers_stage_only_the_keep_set_of_the_samplers_order)."""
+    pytest.importorskip("torch", reason="needs torch (pip install 'kvdata[torch]')")
     from kvdata.reader.sampler import ShardShuffleSampler
 
     class Listening:
@@ -319,6 +321,7 @@ def test_the_sampler_says_where_the_next_epoch_starts_in_what_it_announces() -> 
     """With many ranks a rank's next epoch may share no shard with this one, and the stager
     cannot find the boundary itself (policy.next_pass_start): the sampler passes it to an
     announce() that takes `next_start`; a wrapper with the older signature still gets the order."""
+    pytest.importorskip("torch", reason="needs torch (pip install 'kvdata[torch]')")
     from kvdata.reader.sampler import ShardShuffleSampler
 
     class Listening:
