@@ -920,7 +920,7 @@ def test_clean_sigterm_logs_no_error(kit: Kit) -> None:
 def test_watchdogs_stopped_emitter_message_is_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    import daemon.watch  # noqa: F401  (installs the filter)
+    import kvdata_daemon.watch  # noqa: F401  (installs the filter)
 
     wlog = logging.getLogger("watchdog.observers.inotify")
     with caplog.at_level(logging.INFO):
