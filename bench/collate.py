@@ -84,6 +84,7 @@ from _common import (  # noqa: E402
     work_dir,
     write_json,
 )
+from _memmap_recipe import MemmapDataset  # noqa: E402
 
 GEN_CHUNK = 128        # images generated per step (the content depends on it; the same as loader.py)
 TOUCH_STRIDE = 4096    # consume one byte per page of every image batch (as loader.py's Sink)
@@ -169,26 +170,6 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
     if "error" in res:
         raise SystemExit(f"{getattr(fn, '__name__', fn)}{args[1:]} failed:\n{res['error']}")
     return res["ok"]
-
-
-class MemmapDataset:
-    """The np.memmap recipe (bench/loader.py's baseline): one flat uint8 file + offsets; copy the
-    slice out of the map. A plain map-style dataset (what torch's Dataset protocol asks for)."""
-
-    def __init__(self, root: Path) -> None:
-        self.path = root / "flat.u8"
-        self.offsets = np.load(root / "offsets.npy")
-        self.labels = np.load(root / "labels.npy")
-        self.mm: np.memmap | None = None  # opened lazily, once per process
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if self.mm is None:
-            self.mm = np.memmap(self.path, np.uint8, "r")
-        a, b = self.offsets[i], self.offsets[i + 1]
-        return {"image": torch.from_numpy(np.array(self.mm[a:b]).reshape(SHAPE)), "label": int(self.labels[i])}
 
 
 # ----------------------------------------------------------------------------- the parent

@@ -68,6 +68,7 @@ from _common import (  # noqa: E402
     work_dir,
     write_json,
 )
+from _memmap_recipe import MemmapDataset  # noqa: E402
 
 try:
     import PIL
@@ -196,25 +197,6 @@ class RamDataset(tud.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"image": torch.from_numpy(self.images[i]), "label": int(self.labels[i])}
-
-
-class MemmapDataset(tud.Dataset):
-    """The np.memmap recipe: one flat uint8 file + offsets; copy the slice out of the map."""
-
-    def __init__(self, root: Path) -> None:
-        self.path = root / "flat.u8"
-        self.offsets = np.load(root / "offsets.npy")
-        self.labels = np.load(root / "labels.npy")
-        self.mm: np.memmap | None = None  # opened lazily, once per process
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if self.mm is None:
-            self.mm = np.memmap(self.path, np.uint8, "r")
-        a, b = self.offsets[i], self.offsets[i + 1]
-        return {"image": torch.from_numpy(np.array(self.mm[a:b]).reshape(SHAPE)), "label": int(self.labels[i])}
 
 
 class NinjaDataset(tud.Dataset):
